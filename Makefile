@@ -1,0 +1,50 @@
+# k2trt — one venv at .venv; every target sets it up first if needed.
+PY      := .venv/bin/python
+K2TRT   := .venv/bin/k2trt
+TINY    ?= build/tiny
+ONNX    ?= build/onnx
+ENGINES ?= build/engines
+# The CPU build of torch 2.13.0; on a GPU machine use `make install EXTRAS=gpu,dev TORCH=torch`.
+TORCH   ?= torch==2.13.0
+EXTRAS  ?= cpu,dev
+
+.PHONY: install test tiny export generate chat bench engines compare gpu-check clean
+
+install: .venv/.installed
+
+.venv/.installed: pyproject.toml
+	python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip setuptools
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+test: install
+	$(PY) -m pytest
+
+tiny: install
+	$(K2TRT) make-tiny $(TINY)
+
+export: tiny
+	$(K2TRT) export --model $(TINY) --out $(ONNX)
+
+generate: export
+	$(K2TRT) generate --model $(TINY) --onnx $(ONNX) --prompt "The quick brown fox" --max-new-tokens 32
+
+chat: export
+	$(K2TRT) chat --model $(TINY) --onnx $(ONNX)
+
+bench: export
+	$(K2TRT) bench --model $(TINY) --onnx $(ONNX)
+
+engines: install
+	$(K2TRT) build --onnx $(ONNX) --out $(ENGINES)
+
+compare: export
+	$(K2TRT) compare --model $(TINY) --onnx $(ONNX)
+
+gpu-check: install
+	$(PY) -m k2trt.runtime.kernels.gpu_check
+
+clean:
+	rm -rf build

@@ -1,0 +1,321 @@
+"""The K2 model config: one dataclass, read from an HF `config.json` (model_type kimi_k2 or deepseek_v3).
+
+Every shape in the project is derived from this class; nothing else hard-codes K2's dimensions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from k2trt.errors import K2Error
+
+
+class ConfigError(K2Error, ValueError):
+    """A config.json that is missing a field, has an unknown value, or contradicts itself."""
+
+
+SUPPORTED_MODEL_TYPES = ("kimi_k2", "deepseek_v3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """YaRN parameters (`rope_scaling` in config.json)."""
+
+    type: str = "yarn"
+    factor: float = 32.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 1.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+
+
+@dataclass(frozen=True)
+class K2Config:
+    model_type: str = "kimi_k2"
+    vocab_size: int = 163840
+    hidden_size: int = 7168
+    intermediate_size: int = 18432
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 61
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 64
+    q_lora_rank: int = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    n_routed_experts: int = 384
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 8
+    n_group: int = 1
+    topk_group: int = 1
+    topk_method: str = "noaux_tc"
+    scoring_func: str = "sigmoid"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 2.827
+    first_k_dense_replace: int = 1
+    moe_layer_freq: int = 1
+    rope_theta: float = 50000.0
+    rope_scaling: RopeScaling | None = field(default_factory=RopeScaling)
+    max_position_embeddings: int = 131072
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    num_nextn_predict_layers: int = 0
+    bos_token_id: int = 163584
+    eos_token_id: int = 163585
+    weight_block_size: tuple[int, int] = (128, 128)
+    torch_dtype: str = "bfloat16"
+
+    # ---- derived quantities -------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values cached per token per layer: the normalized latent plus the rope key (576 for K2)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    def is_moe_layer(self, layer: int) -> bool:
+        # modeling_deepseek.py 1152-1160
+        return (
+            self.n_routed_experts is not None
+            and layer >= self.first_k_dense_replace
+            and layer % self.moe_layer_freq == 0
+        )
+
+    def layer_kind(self, layer: int) -> str:
+        return "moe_block" if self.is_moe_layer(layer) else "dense_block"
+
+    @property
+    def softmax_scale(self) -> float:
+        """`q_head_dim^-0.5`, times mscale² under YaRN (modeling_deepseek.py DeepseekV3Attention)."""
+        scale = self.qk_head_dim**-0.5
+        rs = self.rope_scaling
+        if rs is not None and rs.mscale_all_dim:
+            m = yarn_mscale(rs.factor, rs.mscale_all_dim)
+            scale *= m * m
+        return scale
+
+    def fingerprint(self) -> str:
+        """A short hash of every field: graphs and engines record it and refuse a different config."""
+        blob = json.dumps(self.to_hf_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    # ---- HF config.json -----------------------------------------------------------------------
+    def to_hf_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("weight_block_size")
+        d["rope_scaling"] = None if self.rope_scaling is None else dataclasses.asdict(self.rope_scaling)
+        d["architectures"] = ["DeepseekV3ForCausalLM"]
+        d["quantization_config"] = {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "weight_block_size": list(self.weight_block_size),
+        }
+        d["hidden_act"] = "silu"
+        d["ep_size"] = 1
+        d["use_cache"] = True
+        d["attention_dropout"] = 0.0
+        d["initializer_range"] = 0.02
+        d["pretraining_tp"] = 1
+        d["aux_loss_alpha"] = 0.001
+        d["seq_aux"] = True
+        d["auto_map"] = {
+            "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+            "AutoModel": "modeling_deepseek.DeepseekV3Model",
+            "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
+        }
+        return d
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "K2Config":
+        return _parse(raw, source)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "K2Config":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.exists():
+            raise ConfigError(f"{path}: no such file (a model directory needs a config.json)")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a JSON object")
+        return _parse(raw, str(path))
+
+    def write_json(self, path: str | Path) -> None:
+        from k2trt.atomic import atomic_write_text
+
+        atomic_write_text(Path(path), json.dumps(self.to_hf_dict(), indent=2) + "\n")
+
+    @classmethod
+    def preset(cls, name: str) -> "K2Config":
+        try:
+            return PRESETS[name]()
+        except KeyError:
+            raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}") from None
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """yarn_get_mscale of modeling_deepseek.py."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+# Fields a config.json must have; everything else falls back to the K2 default above.
+_REQUIRED = (
+    "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    "n_routed_experts", "num_experts_per_tok",
+)
+
+
+def _parse(raw: dict[str, Any], source: str) -> K2Config:
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(
+            f"{source}: model_type {model_type!r} is not supported (expected one of {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    missing = [k for k in _REQUIRED if raw.get(k) is None]
+    if missing:
+        raise ConfigError(f"{source}: missing required field(s): {', '.join(missing)}")
+
+    names = {f.name: f for f in dataclasses.fields(K2Config)}
+    kwargs: dict[str, Any] = {}
+    for key, f in names.items():
+        if key in ("rope_scaling", "weight_block_size") or key not in raw:
+            continue
+        kwargs[key] = raw[key]
+
+    rs = raw.get("rope_scaling", "absent")
+    if rs is None:
+        kwargs["rope_scaling"] = None
+    elif rs != "absent":
+        if not isinstance(rs, dict):
+            raise ConfigError(f"{source}: rope_scaling must be an object or null")
+        rs = dict(rs)
+        rtype = rs.pop("type", rs.pop("rope_type", "yarn"))
+        if rtype != "yarn":
+            raise ConfigError(f"{source}: rope_scaling type {rtype!r} is not supported (only yarn)")
+        known = {f.name for f in dataclasses.fields(RopeScaling)}
+        kwargs["rope_scaling"] = RopeScaling(type="yarn", **{k: v for k, v in rs.items() if k in known})
+
+    q = raw.get("quantization_config")
+    if q is not None:
+        if q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3":
+            raise ConfigError(f"{source}: quantization_config must be fp8 e4m3, got {q.get('quant_method')!r}/{q.get('fmt')!r}")
+        bs = q.get("weight_block_size", [128, 128])
+        kwargs["weight_block_size"] = tuple(int(b) for b in bs)
+
+    # Types: ints stay ints, floats become floats, so a hand-edited "50000" is caught below.
+    for key, value in list(kwargs.items()):
+        default = names[key].default
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{source}: {key} must be true or false, got {value!r}")
+        elif isinstance(default, int) and not isinstance(default, bool):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"{source}: {key} must be an integer, got {value!r}")
+        elif isinstance(default, float):
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ConfigError(f"{source}: {key} must be a number, got {value!r}")
+            kwargs[key] = float(value)
+    if isinstance(kwargs.get("q_lora_rank", 1), type(None)):
+        raise ConfigError(f"{source}: q_lora_rank null (no q LoRA) is not supported; K2 uses q_lora_rank 1536")
+    cfg = K2Config(**kwargs)
+    _validate(cfg, source)
+    return cfg
+
+
+def _validate(cfg: K2Config, source: str) -> None:
+    def bad(msg: str) -> ConfigError:
+        return ConfigError(f"{source}: {msg}")
+
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                "v_head_dim", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group",
+                "max_position_embeddings"):
+        if getattr(cfg, key) <= 0:
+            raise bad(f"{key} must be positive, got {getattr(cfg, key)}")
+    if cfg.num_key_value_heads != cfg.num_attention_heads:
+        raise bad(f"num_key_value_heads ({cfg.num_key_value_heads}) must equal num_attention_heads "
+                  f"({cfg.num_attention_heads}) for MLA")
+    if cfg.qk_rope_head_dim % 2:
+        raise bad(f"qk_rope_head_dim must be even, got {cfg.qk_rope_head_dim}")
+    if cfg.num_experts_per_tok > cfg.n_routed_experts:
+        raise bad(f"num_experts_per_tok ({cfg.num_experts_per_tok}) exceeds n_routed_experts ({cfg.n_routed_experts})")
+    if cfg.n_routed_experts % cfg.n_group:
+        raise bad(f"n_routed_experts ({cfg.n_routed_experts}) is not divisible by n_group ({cfg.n_group})")
+    if cfg.topk_group > cfg.n_group:
+        raise bad(f"topk_group ({cfg.topk_group}) exceeds n_group ({cfg.n_group})")
+    if cfg.topk_method != "noaux_tc":
+        raise bad(f"topk_method {cfg.topk_method!r} is not supported (only noaux_tc)")
+    if cfg.scoring_func != "sigmoid":
+        raise bad(f"scoring_func {cfg.scoring_func!r} is not supported (only sigmoid)")
+    if cfg.moe_layer_freq <= 0 or cfg.first_k_dense_replace < 0:
+        raise bad("moe_layer_freq must be positive and first_k_dense_replace non-negative")
+    if cfg.tie_word_embeddings:
+        raise bad("tie_word_embeddings true is not supported (K2's lm_head is untied)")
+    if cfg.attention_bias:
+        raise bad("attention_bias true is not supported")
+    if tuple(cfg.weight_block_size) != (128, 128):
+        raise bad(f"weight_block_size {list(cfg.weight_block_size)} is not supported (only [128, 128])")
+    if not 0 <= cfg.bos_token_id < cfg.vocab_size or not 0 <= cfg.eos_token_id < cfg.vocab_size:
+        raise bad(f"bos/eos token ids ({cfg.bos_token_id}/{cfg.eos_token_id}) must lie in the vocabulary "
+                  f"(vocab_size {cfg.vocab_size})")
+    # The W8A8 path quantizes activations in 1x128 groups: every input dimension of an FP8 linear
+    # must be a whole number of groups.
+    for name, k in (("hidden_size", cfg.hidden_size), ("q_lora_rank", cfg.q_lora_rank),
+                    ("kv_lora_rank", cfg.kv_lora_rank),
+                    ("num_attention_heads*v_head_dim", cfg.num_attention_heads * cfg.v_head_dim),
+                    ("intermediate_size", cfg.intermediate_size),
+                    ("moe_intermediate_size", cfg.moe_intermediate_size)):
+        if k % cfg.weight_block_size[1]:
+            raise bad(f"{name} ({k}) must be a multiple of {cfg.weight_block_size[1]} (FP8 activation groups)")
+
+
+def kimi_k2() -> K2Config:
+    """Exactly Kimi-K2-Instruct's config.json."""
+    return K2Config()
+
+
+def tiny() -> K2Config:
+    """The embedded default: every structural feature of K2 at laptop size (~60 MB in FP8)."""
+    return K2Config(
+        vocab_size=2048,
+        hidden_size=128,
+        intermediate_size=384,
+        moe_intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=128,
+        kv_lora_rank=128,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=64,
+        v_head_dim=64,
+        # 384 experts, top-8, one shared, one group, sigmoid + bias, 2.827 — as K2.
+        bos_token_id=1792,
+        eos_token_id=1793,
+    )
+
+
+PRESETS = {"kimi-k2": kimi_k2, "tiny": tiny}
