@@ -1,0 +1,56 @@
+"""`k2trt` — one command, with a subcommand per job. Each subcommand lives in its own module, imported only
+when it runs, so `k2trt inspect` never imports TensorRT or ONNX Runtime."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from k2trt.errors import K2Error
+
+# subcommand -> (module, one-line help). Each module has add_arguments(parser) and run(args) -> int.
+COMMANDS = {
+    "make-tiny": ("k2trt.tiny", "write the embedded tiny K2 checkpoint (K2's exact on-disk format)"),
+    "inspect": ("k2trt.inspect_cmd", "parameter table of a checkpoint or preset, cross-checked against headers"),
+    "export": ("k2trt.export.cli", "export per-block ONNX graphs (TensorRT-bound and ONNX Runtime forms)"),
+    "build": ("k2trt.runtime.trt.build", "build TensorRT engines from the exported graphs (needs TensorRT + GPU)"),
+    "generate": ("k2trt.runtime.cli", "generate text through the exported graphs or engines"),
+    "chat": ("k2trt.runtime.chat", "interactive chat with history"),
+    "bench": ("k2trt.runtime.bench", "prefill/decode tokens/s of the runtime against the torch reference"),
+    "compare": ("k2trt.runtime.compare", "accuracy of each backend against the torch reference, via polygraphy"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="k2trt", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"k2trt {__import__('k2trt').__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        # Parsers are filled lazily in main() for the chosen command only.
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    # Find the subcommand, then let its module declare the arguments.
+    known, _ = parser.parse_known_args(argv[:1] if argv and not argv[0].startswith("-") else argv)
+    module = importlib.import_module(known._module)
+    full = argparse.ArgumentParser(prog=f"k2trt {known.command}", description=COMMANDS[known.command][1])
+    module.add_arguments(full)
+    args = full.parse_args(argv[1:])
+    try:
+        return int(module.run(args) or 0)
+    except K2Error as e:
+        print(f"k2trt {known.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"k2trt {known.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
