@@ -1,0 +1,61 @@
+"""One ONNX graph per block kind, recorded by running graphs/blocks.py with OnnxOps.
+
+Dynamic dims, the same name in every graph: B (batch), T (new positions), P (cache slots; "P+T" for keys).
+Weights are graph inputs named after the checkpoint suffixes (graphs/weights.py), so one graph serves every
+layer of its kind. bf16 checkpoint tensors enter in the activation dtype; FP8 weights as float8e4m3fn with
+their float32 block scales.
+"""
+
+from __future__ import annotations
+
+from k2trt.config import K2Config
+from k2trt.export.onnx_ops import OnnxOps
+from k2trt.graphs import blocks
+from k2trt.graphs import weights as W
+
+KINDS = ("embedding", "dense_block", "moe_block", "head")
+OPSET = 21  # blocked DequantizeLinear
+IR_VERSION = 10  # onnxruntime rejects onnx 1.23's default IR 14
+
+
+def graph_dtype(spec: W.TensorSpec, act_dtype: str) -> str:
+    """The element type a weight enters the graph with."""
+    return act_dtype if spec.dtype == W.BF16 else spec.dtype
+
+
+def weight_inputs(ops: OnnxOps, cfg: K2Config, kind: str) -> dict:
+    return {s.name: ops.input(s.name, graph_dtype(s, ops.act_dtype), list(s.shape))
+            for s in W.graph_weight_specs(cfg, kind)}
+
+
+def activation_io(cfg: K2Config, kind: str, act: str) -> tuple[list, list]:
+    """(inputs, outputs) of a kind as (name, dtype, shape) — everything but the weights."""
+    d, lat, half = cfg.hidden_size, cfg.latent_dim, cfg.qk_rope_head_dim // 2
+    hidden = ("hidden_states", act, ["B", "T", d])
+    if kind == "embedding":
+        return [("input_ids", "int64", ["B", "T"])], [hidden]
+    if kind == "head":
+        return [hidden], [("logits", "float32", ["B", "T", cfg.vocab_size])]
+    return ([hidden, ("rope_cos", act, ["B", "T", half]), ("rope_sin", act, ["B", "T", half]),
+             ("attention_mask", "float32", ["B", "T", "P+T"]), ("latent_cache", act, ["B", "P", lat])],
+            [("hidden_states_out", act, ["B", "T", d]), ("latent_new", act, ["B", "T", lat])])
+
+
+def build_block_graph(cfg: K2Config, kind: str, act_dtype: str = "float32", activation_quant: int = 1):
+    """The TensorRT-bound graph of one block kind (custom FP8 nodes for TensorRT's plugins)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown block kind {kind!r}; expected one of {KINDS}")
+    ops = OnnxOps(act_dtype, OPSET)
+    ins, outs = activation_io(cfg, kind, act_dtype)
+    a = {name: ops.input(name, dt, shape) for name, dt, shape in ins}
+    w = weight_inputs(ops, cfg, kind)
+    if kind == "embedding":
+        results = [blocks.embedding(ops, a["input_ids"], w)]
+    elif kind == "head":
+        results = [blocks.head(ops, cfg, a["hidden_states"], w)]
+    else:
+        results = blocks.decoder_block(ops, cfg, kind, a["hidden_states"], a["rope_cos"], a["rope_sin"],
+                                       a["attention_mask"], a["latent_cache"], w, activation_quant)
+    for sym, (name, _, shape) in zip(results, outs):
+        ops.output(sym, name, shape)
+    return ops.model(f"k2_{kind}", IR_VERSION)

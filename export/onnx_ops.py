@@ -1,0 +1,231 @@
+"""OnnxOps: the ops vocabulary of graphs/ops.py recorded as ONNX nodes.
+
+Running a block function of graphs/blocks.py with OnnxOps instead of TorchOps yields its graph: the math is
+defined once. `Sym` stands for an ONNX value (name, element type, shape with named dynamic dims where known).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from k2trt.graphs import contracts
+
+ELEM = {
+    "float32": TensorProto.FLOAT, "bfloat16": TensorProto.BFLOAT16, "float16": TensorProto.FLOAT16,
+    "int32": TensorProto.INT32, "int64": TensorProto.INT64, "float8_e4m3fn": TensorProto.FLOAT8E4M3FN,
+    "float8e4m3fn": TensorProto.FLOAT8E4M3FN, "bool": TensorProto.BOOL,
+}
+ELEM_NAME = {v: k for k, v in ELEM.items() if k != "float8e4m3fn"}
+NP_SCALAR = {"float32": np.float32, "float16": np.float16, "int32": np.int32, "int64": np.int64}
+INT64_MAX = np.iinfo(np.int64).max
+
+
+class Sym:
+    """A value in the graph being recorded. Arithmetic records Add/Sub/Mul/Div nodes."""
+
+    def __init__(self, ops: "OnnxOps", name: str, dtype: str, shape: list | None = None):
+        self.ops, self.name, self.dtype, self.shape = ops, name, dtype, shape
+
+    def _bin(self, op, other, reverse=False):
+        other = self.ops.const_like(other, self) if not isinstance(other, Sym) else other
+        a, b = (other, self) if reverse else (self, other)
+        return self.ops.node(op, [a, b], a.dtype)
+
+    def __add__(self, o):
+        return self._bin("Add", o)
+
+    def __radd__(self, o):
+        return self._bin("Add", o, True)
+
+    def __sub__(self, o):
+        return self._bin("Sub", o)
+
+    def __rsub__(self, o):
+        return self._bin("Sub", o, True)
+
+    def __mul__(self, o):
+        return self._bin("Mul", o)
+
+    def __rmul__(self, o):
+        return self._bin("Mul", o, True)
+
+    def __truediv__(self, o):
+        return self._bin("Div", o)
+
+    def __neg__(self):
+        return self.ops.node("Neg", [self], self.dtype)
+
+
+class OnnxOps:
+    def __init__(self, act_dtype: str = "float32", opset: int = 21):
+        self.act_dtype = act_dtype
+        self.opset = opset
+        self.nodes: list[onnx.NodeProto] = []
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.outputs: list[onnx.ValueInfoProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self.value_info: list[onnx.ValueInfoProto] = []
+        self._ids = itertools.count()
+        self._consts: dict = {}
+
+    # ---- graph plumbing ---------------------------------------------------------------------------
+    def _fresh(self, hint: str) -> str:
+        return f"{hint}_{next(self._ids)}"
+
+    def _resolve(self, dtype: str) -> str:
+        return self.act_dtype if dtype == "act" else dtype
+
+    def input(self, name: str, dtype: str, shape: list) -> Sym:
+        dtype = self._resolve(dtype)
+        self.inputs.append(helper.make_tensor_value_info(name, ELEM[dtype], shape))
+        return Sym(self, name, dtype, list(shape))
+
+    def output(self, sym: Sym, name: str, shape: list) -> None:
+        self.nodes.append(helper.make_node("Identity", [sym.name], [name], name=f"out_{name}"))
+        self.outputs.append(helper.make_tensor_value_info(name, ELEM[sym.dtype], shape))
+
+    def node(self, op: str, ins: list, out_dtype, n_out: int = 1, domain: str = "", **attrs):
+        names = [i.name if isinstance(i, Sym) else i for i in ins]
+        dtypes = out_dtype if isinstance(out_dtype, (list, tuple)) else [out_dtype] * n_out
+        outs = [self._fresh(op.lower()) for _ in range(n_out)]
+        self.nodes.append(helper.make_node(op, names, outs, name=self._fresh(op), domain=domain, **attrs))
+        syms = [Sym(self, o, d) for o, d in zip(outs, dtypes)]
+        return syms[0] if n_out == 1 else syms
+
+    def const(self, value, dtype: str) -> Sym:
+        dtype = self._resolve(dtype)
+        arr = np.asarray(value, dtype=NP_SCALAR.get(dtype, np.float32))
+        key = (dtype, arr.shape, arr.tobytes())
+        if key not in self._consts:
+            name = self._fresh("const")
+            if dtype == "bfloat16":
+                t = helper.make_tensor(name, TensorProto.BFLOAT16, arr.shape, arr.astype(np.float32).ravel().tolist())
+            else:
+                t = numpy_helper.from_array(arr, name)
+            self.initializers.append(t)
+            self._consts[key] = Sym(self, name, dtype, list(arr.shape))
+        return self._consts[key]
+
+    def const_like(self, value, like: Sym) -> Sym:
+        return self.const(value, like.dtype)
+
+    def ints(self, values) -> Sym:
+        return self.const(np.asarray(values, dtype=np.int64), "int64")
+
+    def annotate(self, sym: Sym, shape: list) -> Sym:
+        """Record the type and shape of a custom node's output, so shape inference continues past it."""
+        self.value_info.append(helper.make_tensor_value_info(sym.name, ELEM[sym.dtype], shape))
+        sym.shape = shape
+        return sym
+
+    def model(self, name: str, ir_version: int = 10) -> onnx.ModelProto:
+        graph = helper.make_graph(self.nodes, name, self.inputs, self.outputs, self.initializers,
+                                  value_info=self.value_info)
+        opsets = [helper.make_opsetid("", self.opset),
+                  helper.make_opsetid(contracts.NAMESPACE, contracts.DOMAIN_VERSION)]
+        m = helper.make_model(graph, opset_imports=opsets, producer_name="k2trt")
+        m.ir_version = ir_version
+        return m
+
+    # ---- shape --------------------------------------------------------------------------------------
+    def reshape(self, x, shape):
+        return self.node("Reshape", [x, self.ints(shape)], x.dtype)
+
+    def transpose(self, x, perm):
+        return self.node("Transpose", [x], x.dtype, perm=list(perm))
+
+    def unsqueeze(self, x, axis):
+        return self.node("Unsqueeze", [x, self.ints([axis])], x.dtype)
+
+    def split(self, x, sizes, axis):
+        return self.node("Split", [x, self.ints(list(sizes))], x.dtype, n_out=len(sizes), axis=axis)
+
+    def split_at(self, x, n, axis):
+        head = self.node("Slice", [x, self.ints([0]), n, self.ints([axis])], x.dtype)
+        tail = self.node("Slice", [x, n, self.ints([INT64_MAX]), self.ints([axis])], x.dtype)
+        return head, tail
+
+    def dim(self, x, axis):
+        return self.node("Shape", [x], "int64", start=axis, end=axis + 1)
+
+    def concat(self, xs, axis):
+        return self.node("Concat", list(xs), xs[0].dtype, axis=axis)
+
+    # ---- elementwise / reductions -------------------------------------------------------------------
+    def cast(self, x, dtype):
+        dtype = self._resolve(dtype)
+        if x.dtype == dtype:
+            return x
+        return self.node("Cast", [x], dtype, to=ELEM[dtype])
+
+    def rsqrt(self, x):
+        return self.node("Reciprocal", [self.node("Sqrt", [x], x.dtype)], x.dtype)
+
+    def sigmoid(self, x):
+        return self.node("Sigmoid", [x], x.dtype)
+
+    def silu(self, x):
+        return x * self.sigmoid(x)
+
+    def reduce_mean(self, x, axis, keepdims=True):
+        return self.node("ReduceMean", [x, self.ints([axis])], x.dtype, keepdims=int(keepdims))
+
+    def reduce_sum(self, x, axis, keepdims=True):
+        return self.node("ReduceSum", [x, self.ints([axis])], x.dtype, keepdims=int(keepdims))
+
+    def softmax(self, x, axis):
+        return self.node("Softmax", [x], x.dtype, axis=axis)
+
+    def zeros_like(self, x):
+        return x * 0.0
+
+    # ---- matmul / gather ----------------------------------------------------------------------------
+    def matmul(self, a, b):
+        return self.node("MatMul", [a, b], a.dtype)
+
+    def linear(self, x, w):
+        return self.matmul(x, self.transpose(w, [1, 0]))
+
+    def gather_rows(self, table, ids):
+        return self.node("Gather", [table, ids], table.dtype, axis=0)
+
+    def topk(self, x, k, axis=-1):
+        v, i = self.node("TopK", [x, self.ints([k])], [x.dtype, "int64"], n_out=2, axis=axis, largest=1, sorted=1)
+        return v, i
+
+    def gather_elements(self, x, idx, axis):
+        return self.node("GatherElements", [x, idx], x.dtype, axis=axis)
+
+    def scatter_elements(self, data, idx, updates, axis):
+        return self.node("ScatterElements", [data, idx, updates], data.dtype, axis=axis)
+
+    # ---- FP8 --------------------------------------------------------------------------------------
+    def dequant_fp8(self, w, scale_inv):
+        """Standard DequantizeLinear (opset 21, blocked along K); the 128x128 scales become exact 1-D
+        block scales by repeating each row 128x along N."""
+        n, k = w.shape
+        nb, kb = scale_inv.shape
+        s = self.unsqueeze(scale_inv, 1)  # [nb, 1, kb]
+        s = self.node("Expand", [s, self.ints([nb, 128, kb])], "float32")
+        s = self.reshape(s, [nb * 128, kb])
+        if nb * 128 != n:
+            s = self.node("Slice", [s, self.ints([0]), self.ints([n]), self.ints([0])], "float32")
+        deq = self.node("DequantizeLinear", [w, s], "float32", axis=1, block_size=128)
+        return self.cast(deq, "act")
+
+    def _custom(self, contract: contracts.NodeContract, ins, out_shape, activation_quant: int):
+        y = self.node(contract.op_type, ins, ins[0].dtype, domain=contracts.NAMESPACE,
+                      plugin_namespace=contracts.NAMESPACE, plugin_version=contracts.PLUGIN_VERSION,
+                      activation_quant=int(activation_quant))
+        return self.annotate(y, out_shape)
+
+    def fp8_linear(self, x, w, scale_inv, activation_quant):
+        return self._custom(contracts.FP8_BLOCK_LINEAR, [x, w, scale_inv], ["B", "T", w.shape[0]], activation_quant)
+
+    def moe_fp8(self, x, topk_ids, topk_weights, gate_w, gate_s, up_w, up_s, down_w, down_s, activation_quant):
+        ins = [x, topk_ids, topk_weights, gate_w, gate_s, up_w, up_s, down_w, down_s]
+        return self._custom(contracts.MOE_FP8, ins, ["B", "T", down_w.shape[1]], activation_quant)

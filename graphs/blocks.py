@@ -1,0 +1,162 @@
+"""The math of every block kind, written once against the ops vocabulary of graphs/ops.py.
+
+The torch reference runs these functions with TorchOps; the exporter runs the same functions with OnnxOps to
+record the ONNX graphs. Each follows modeling_deepseek.py (see docs/ARCHITECTURE.md for the data path):
+
+  embedding(ids)                                    -> hidden [B, T, d]
+  decoder_block(hidden, rope, mask, latent_cache)   -> hidden [B, T, d], latent_new [B, T, kv_lora + rope]
+  head(hidden)                                      -> logits [B, T, V] float32
+
+`w` maps weight names (checkpoint suffixes, graphs/weights.py) to tensors. Attention is the absorbed form over
+the latent cache: the past is read in place and never copied or concatenated with the new entries.
+"""
+
+from __future__ import annotations
+
+from k2trt.config import K2Config
+
+F32 = "float32"
+
+
+def rms_norm(ops, x, weight, eps: float):
+    """DeepseekV3RMSNorm: variance in float32, cast back to the input dtype, then times the weight."""
+    h = ops.cast(x, F32)
+    h = h * ops.rsqrt(ops.reduce_mean(h * h, axis=-1) + eps)
+    return weight * ops.cast(h, "act")
+
+
+def apply_rope(ops, x, cos, sin, rope_dim: int):
+    """x [B, heads, T, rope] with interleaved pairs; cos/sin [B, 1, T, rope/2].
+
+    modeling_deepseek.py first permutes each vector from interleaved pairs to halves, then applies
+    x*cos + rotate_half(x)*sin with cos = cat(freqs, freqs): the result is in the halves layout.
+    """
+    half = rope_dim // 2
+    pairs = ops.reshape(x, [0, 0, 0, half, 2])
+    even, odd = ops.split(pairs, [1, 1], axis=-1)
+    even = ops.reshape(even, [0, 0, 0, half])
+    odd = ops.reshape(odd, [0, 0, 0, half])
+    return ops.concat([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
+
+
+def fp8_linear(ops, x, w, name: str, activation_quant: int):
+    return ops.fp8_linear(x, w[f"{name}.weight"], w[f"{name}.weight_scale_inv"], activation_quant)
+
+
+def attention(ops, cfg: K2Config, x, rope_cos, rope_sin, mask, latent_cache, w, activation_quant: int):
+    """MLA, absorbed form. x [B, T, d] (normalized), latent_cache [B, P, kv_lora + rope] (P slots, read in
+    place), mask [B, T, P + T] -> (out [B, T, d], latent_new [B, T, kv_lora + rope])."""
+    h, nope, rope, vdim, lora = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                                 cfg.v_head_dim, cfg.kv_lora_rank)
+    eps = cfg.rms_norm_eps
+    aq = activation_quant
+
+    # queries: q_a -> q_a_layernorm -> q_b, split into the no-position and the rotary part
+    q = fp8_linear(ops, x, w, "self_attn.q_a_proj", aq)
+    q = rms_norm(ops, q, w["self_attn.q_a_layernorm.weight"], eps)
+    q = fp8_linear(ops, q, w, "self_attn.q_b_proj", aq)
+    q = ops.transpose(ops.reshape(q, [0, 0, h, nope + rope]), [0, 2, 1, 3])  # [B, H, T, 192]
+    q_nope, q_pe = ops.split(q, [nope, rope], axis=-1)
+
+    cos = ops.unsqueeze(rope_cos, 1)  # [B, 1, T, rope/2]
+    sin = ops.unsqueeze(rope_sin, 1)
+    q_pe = apply_rope(ops, q_pe, cos, sin, rope)
+
+    # the new cache entries: normalized latent and the rotated shared rope key
+    ckv = fp8_linear(ops, x, w, "self_attn.kv_a_proj_with_mqa", aq)  # [B, T, 576]
+    c, k_pe = ops.split(ckv, [lora, rope], axis=-1)
+    c = rms_norm(ops, c, w["self_attn.kv_a_layernorm.weight"], eps)
+    k_pe = apply_rope(ops, ops.unsqueeze(k_pe, 1), cos, sin, rope)  # [B, 1, T, rope]
+    latent_new = ops.concat([c, ops.reshape(k_pe, [0, -1, rope])], axis=-1)  # [B, T, 576]
+
+    # absorb kv_b: W_uk turns q_nope into latent space, W_uv turns the attended latent into values
+    wkv = ops.reshape(ops.dequant_fp8(w["self_attn.kv_b_proj.weight"], w["self_attn.kv_b_proj.weight_scale_inv"]),
+                      [h, nope + vdim, lora])
+    w_uk, w_uv = ops.split(wkv, [nope, vdim], axis=1)  # [H, nope, L], [H, v, L]
+    q_full = ops.concat([ops.matmul(q_nope, w_uk), q_pe], axis=-1)  # [B, H, T, L + rope]
+
+    # scores against the past slots and the new entries, kept apart so the past is never copied
+    past = ops.unsqueeze(latent_cache, 1)  # [B, 1, P, 576]
+    new = ops.unsqueeze(latent_new, 1)  # [B, 1, T, 576]
+    s_past = ops.matmul(q_full, ops.transpose(past, [0, 1, 3, 2]))  # [B, H, T, P]
+    s_new = ops.matmul(q_full, ops.transpose(new, [0, 1, 3, 2]))  # [B, H, T, T]
+    scores = ops.cast(ops.concat([s_past, s_new], axis=-1), F32) * cfg.softmax_scale + ops.unsqueeze(mask, 1)
+    probs = ops.cast(ops.softmax(scores, axis=-1), "act")
+    p_past, p_new = ops.split_at(probs, ops.dim(latent_cache, 1), axis=-1)
+
+    # attend over the full 576-wide entries (no slice of the cache), then keep the latent part
+    o_lat = ops.matmul(p_past, past) + ops.matmul(p_new, new)  # [B, H, T, 576]
+    o_lat, _ = ops.split(o_lat, [lora, rope], axis=-1)
+    o = ops.matmul(o_lat, ops.transpose(w_uv, [0, 2, 1]))  # [B, H, T, v]
+    o = ops.reshape(ops.transpose(o, [0, 2, 1, 3]), [0, 0, h * vdim])
+    return fp8_linear(ops, o, w, "self_attn.o_proj", aq), latent_new
+
+
+def swiglu(ops, x, w, prefix: str, activation_quant: int):
+    """DeepseekV3MLP: down(silu(gate(x)) * up(x))."""
+    g = fp8_linear(ops, x, w, f"{prefix}.gate_proj", activation_quant)
+    u = fp8_linear(ops, x, w, f"{prefix}.up_proj", activation_quant)
+    return fp8_linear(ops, ops.silu(g) * u, w, f"{prefix}.down_proj", activation_quant)
+
+
+def route(ops, cfg: K2Config, x, w):
+    """MoEGate, noaux_tc: sigmoid scores; the bias only chooses; group-limited top-k; weights from the unbiased
+    scores, normalized and scaled. x [B, T, d] -> (topk_ids [B, T, k] int64, topk_weights [B, T, k] float32)."""
+    logits = ops.matmul(ops.cast(x, F32), ops.transpose(ops.cast(w["mlp.gate.weight"], F32), [1, 0]))
+    scores = ops.sigmoid(logits)  # [B, T, E]
+    choice = scores + w["mlp.gate.e_score_correction_bias"]
+    if cfg.n_group > 1:
+        e_per_group = cfg.n_routed_experts // cfg.n_group
+        grouped = ops.reshape(choice, [0, 0, cfg.n_group, e_per_group])
+        top2, _ = ops.topk(grouped, 2, axis=-1)
+        group_scores = ops.reduce_sum(top2, axis=-1, keepdims=False)  # [B, T, G]
+        _, group_idx = ops.topk(group_scores, cfg.topk_group, axis=-1)
+        ones = ops.cast(group_idx, F32) * 0.0 + 1.0
+        group_mask = ops.scatter_elements(ops.zeros_like(group_scores), group_idx, ones, axis=-1)  # [B, T, G]
+        # masked_fill(~mask, 0.0) over the experts of the groups not kept
+        choice = ops.reshape(grouped * ops.unsqueeze(group_mask, -1), [0, 0, cfg.n_routed_experts])
+    _, topk_ids = ops.topk(choice, cfg.num_experts_per_tok, axis=-1)
+    weights = ops.gather_elements(scores, topk_ids, axis=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / (ops.reduce_sum(weights, axis=-1) + 1e-20)
+    return topk_ids, weights * cfg.routed_scaling_factor
+
+
+def moe(ops, cfg: K2Config, x, w, activation_quant: int):
+    """DeepseekV3MoE: routed experts (the MoeFp8 node) plus the shared expert."""
+    topk_ids, topk_weights = route(ops, cfg, x, w)
+    routed = ops.moe_fp8(
+        x, ops.cast(topk_ids, "int32"), topk_weights,
+        w["mlp.experts.gate_proj.weight"], w["mlp.experts.gate_proj.weight_scale_inv"],
+        w["mlp.experts.up_proj.weight"], w["mlp.experts.up_proj.weight_scale_inv"],
+        w["mlp.experts.down_proj.weight"], w["mlp.experts.down_proj.weight_scale_inv"],
+        activation_quant,
+    )
+    return routed + swiglu(ops, x, w, "mlp.shared_experts", activation_quant)
+
+
+def decoder_block(ops, cfg: K2Config, kind: str, hidden, rope_cos, rope_sin, mask, latent_cache, w,
+                  activation_quant: int):
+    """DeepseekV3DecoderLayer: pre-norm attention and FFN with residuals. kind: dense_block | moe_block."""
+    eps = cfg.rms_norm_eps
+    a, latent_new = attention(ops, cfg, rms_norm(ops, hidden, w["input_layernorm.weight"], eps),
+                              rope_cos, rope_sin, mask, latent_cache, w, activation_quant)
+    hidden = hidden + a
+    h = rms_norm(ops, hidden, w["post_attention_layernorm.weight"], eps)
+    if kind == "moe_block":
+        m = moe(ops, cfg, h, w, activation_quant)
+    elif kind == "dense_block":
+        m = swiglu(ops, h, w, "mlp", activation_quant)
+    else:
+        raise ValueError(f"unknown block kind {kind!r}")
+    return hidden + m, latent_new
+
+
+def embedding(ops, input_ids, w):
+    return ops.cast(ops.gather_rows(w["model.embed_tokens.weight"], input_ids), "act")
+
+
+def head(ops, cfg: K2Config, hidden, w):
+    """Final RMSNorm, untied lm_head, logits in float32."""
+    h = rms_norm(ops, hidden, w["model.norm.weight"], cfg.rms_norm_eps)
+    return ops.cast(ops.linear(h, w["lm_head.weight"]), F32)

@@ -1,0 +1,35 @@
+"""The node contracts of graphs/contracts.py as torch.library custom ops, so the torch reference calls the very
+operations the exported graphs name: torch.ops.k2trt.fp8_block_linear and torch.ops.k2trt.moe_fp8."""
+
+from __future__ import annotations
+
+import torch
+
+from k2trt.graphs.fp8 import fp8_block_linear as _fp8_block_linear
+from k2trt.graphs.moe_ref import moe_fp8_reference
+
+
+@torch.library.custom_op("k2trt::fp8_block_linear", mutates_args=())
+def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                     activation_quant: int) -> torch.Tensor:
+    return _fp8_block_linear(x, weight, weight_scale_inv, activation_quant)
+
+
+@fp8_block_linear.register_fake
+def _(x, weight, weight_scale_inv, activation_quant):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("k2trt::moe_fp8", mutates_args=())
+def moe_fp8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+            gate_weight: torch.Tensor, gate_scale_inv: torch.Tensor,
+            up_weight: torch.Tensor, up_scale_inv: torch.Tensor,
+            down_weight: torch.Tensor, down_scale_inv: torch.Tensor,
+            activation_quant: int) -> torch.Tensor:
+    return moe_fp8_reference(x, topk_ids, topk_weights, gate_weight, gate_scale_inv, up_weight, up_scale_inv,
+                             down_weight, down_scale_inv, activation_quant)
+
+
+@moe_fp8.register_fake
+def _(x, *args):
+    return torch.empty_like(x)

@@ -1,0 +1,109 @@
+"""The small operator vocabulary the block math is written in.
+
+graphs/blocks.py calls only these; `TorchOps` runs them eagerly (the torch reference) and
+`k2trt.export.onnx_ops.OnnxOps` records them as ONNX nodes (the export). Semantics follow ONNX where the two
+differ (reshape: 0 copies a dimension, -1 is inferred). Dtypes are named by strings: "float32", "int32",
+"int64", and "act" for the activation dtype of the graph (float32 on CPU, bfloat16 on GPU).
+Arithmetic between tensors uses Python operators; a Python number on either side takes the tensor's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import k2trt.graphs.custom_ops  # noqa: F401  (registers torch.ops.k2trt.*)
+from k2trt.graphs.fp8 import dequant_weight
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                "int32": torch.int32, "int64": torch.int64}
+
+
+class TorchOps:
+    def __init__(self, act_dtype: str = "float32"):
+        self.act_dtype = act_dtype
+        self.act = TORCH_DTYPES[act_dtype]
+
+    def _dtype(self, name: str) -> torch.dtype:
+        return self.act if name == "act" else TORCH_DTYPES[name]
+
+    # ---- shape -----------------------------------------------------------------------------------
+    def reshape(self, x, shape):
+        shape = [x.shape[i] if s == 0 else s for i, s in enumerate(shape)]
+        return x.reshape(shape)
+
+    def transpose(self, x, perm):
+        return x.permute(*perm)
+
+    def unsqueeze(self, x, axis):
+        return x.unsqueeze(axis)
+
+    def split(self, x, sizes, axis):
+        return list(torch.split(x, list(sizes), dim=axis))
+
+    def split_at(self, x, n, axis):
+        """(x[:n], x[n:]) along axis; n comes from dim()."""
+        return x.narrow(axis, 0, n), x.narrow(axis, n, x.shape[axis] - n)
+
+    def dim(self, x, axis):
+        return x.shape[axis]
+
+    def concat(self, xs, axis):
+        return torch.cat(xs, dim=axis)
+
+    # ---- elementwise / reductions ------------------------------------------------------------------
+    def cast(self, x, dtype):
+        return x.to(self._dtype(dtype))
+
+    def rsqrt(self, x):
+        return torch.rsqrt(x)
+
+    def sigmoid(self, x):
+        return torch.sigmoid(x)
+
+    def silu(self, x):
+        return F.silu(x)
+
+    def reduce_mean(self, x, axis, keepdims=True):
+        return x.mean(dim=axis, keepdim=keepdims)
+
+    def reduce_sum(self, x, axis, keepdims=True):
+        return x.sum(dim=axis, keepdim=keepdims)
+
+    def softmax(self, x, axis):
+        return torch.softmax(x, dim=axis)
+
+    def zeros_like(self, x):
+        return torch.zeros_like(x)
+
+    # ---- matmul / gather ---------------------------------------------------------------------------
+    def matmul(self, a, b):
+        return a @ b
+
+    def linear(self, x, w):
+        """x · wᵀ for an unquantized weight [N, K]."""
+        return x @ w.T
+
+    def gather_rows(self, table, ids):
+        return table[ids]
+
+    def topk(self, x, k, axis=-1):
+        v, i = torch.topk(x, k, dim=axis)
+        return v, i
+
+    def gather_elements(self, x, idx, axis):
+        return torch.gather(x, axis, idx)
+
+    def scatter_elements(self, data, idx, updates, axis):
+        return data.scatter(axis, idx, updates)
+
+    # ---- FP8 (the custom nodes, and the standard dequantization) -----------------------------------
+    def dequant_fp8(self, w, scale_inv):
+        return dequant_weight(w, scale_inv, self.act)
+
+    def fp8_linear(self, x, w, scale_inv, activation_quant):
+        return torch.ops.k2trt.fp8_block_linear(x, w, scale_inv, activation_quant)
+
+    def moe_fp8(self, x, topk_ids, topk_weights, gate_w, gate_s, up_w, up_s, down_w, down_s, activation_quant):
+        return torch.ops.k2trt.moe_fp8(x, topk_ids, topk_weights, gate_w, gate_s, up_w, up_s, down_w, down_s,
+                                       activation_quant)

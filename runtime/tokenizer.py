@@ -1,0 +1,266 @@
+"""Kimi's tokenizer: tiktoken byte-level BPE plus 256 reserved special ids, and its Jinja chat template.
+
+Loads a Kimi model directory unchanged (the real K2 one or the tiny generated one):
+`tiktoken.model` holds the base ranks, `tokenizer_config.json` names the special ids and holds the
+chat template. Special ids sit right after the base tokens, so the base count fixes every special id.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import codecs
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+import tiktoken
+
+from k2trt.errors import K2Error
+
+NUM_RESERVED_SPECIAL = 256
+
+# Kimi's pre-tokenizer: Han runs stay apart from other letters; digits split in groups of up to three.
+_LETTERS_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_LETTERS_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+KIMI_PAT_STR = "|".join([
+    r"[\p{Han}]+",
+    r"[^\r\n\p{L}\p{N}]?" + _LETTERS_UPPER + "*" + _LETTERS_LOWER + "+" + _CONTRACTIONS,
+    r"[^\r\n\p{L}\p{N}]?" + _LETTERS_UPPER + "+" + _LETTERS_LOWER + "*" + _CONTRACTIONS,
+    r"\p{N}{1,3}",
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+    r"\s*[\r\n]+",
+    r"\s+(?!\S)",
+    r"\s+",
+])
+
+RANKS_FILE = "tiktoken.model"
+CONFIG_FILE = "tokenizer_config.json"
+TEMPLATE_FILE = "chat_template.jinja"  # newer HF checkpoints keep the template here instead
+
+
+def reserved_name(token_id: int) -> str:
+    """The name of a special slot that tokenizer_config.json does not name."""
+    return f"<|reserved_token_{token_id}|>"
+
+
+def load_ranks(path: Path) -> dict[bytes, int]:
+    """Parse tiktoken.model; ranks must be exactly 0..n-1 so the special ids can follow them."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise K2Error(f"tokenizer file missing: {path}") from None
+    except OSError as e:
+        raise K2Error(f"cannot read tokenizer file {path}: {e.strerror}") from None
+    ranks: dict[bytes, int] = {}
+    seen_ranks: set[int] = set()
+    for lineno, line in enumerate(data.splitlines(), 1):
+        if not line.strip():
+            continue
+        parts = line.split()
+        try:
+            if len(parts) != 2:
+                raise ValueError
+            token = base64.b64decode(parts[0], validate=True)
+            rank = int(parts[1])
+        except (ValueError, binascii.Error):
+            raise K2Error(f"{path}:{lineno}: malformed rank line (expected '<base64 token> <rank>')") from None
+        if not token or token in ranks or rank in seen_ranks or rank < 0:
+            raise K2Error(f"{path}:{lineno}: empty or duplicate token, or duplicate/negative rank {rank}")
+        ranks[token] = rank
+        seen_ranks.add(rank)
+    if not ranks:
+        raise K2Error(f"{path}: no ranks")
+    if max(seen_ranks) != len(ranks) - 1:
+        raise K2Error(f"{path}: ranks are not contiguous 0..{len(ranks) - 1} (largest is {max(seen_ranks)})")
+    return ranks
+
+
+def _load_json(path: Path) -> dict:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise K2Error(f"tokenizer file missing: {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise K2Error(f"{path}: invalid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise K2Error(f"{path}: expected a JSON object at top level")
+    return obj
+
+
+def _token_content(entry: Any) -> str | None:
+    """HF writes special tokens either as plain strings or as AddedToken dicts with "content"."""
+    if isinstance(entry, str):
+        return entry
+    if isinstance(entry, dict) and isinstance(entry.get("content"), str):
+        return entry["content"]
+    return None
+
+
+def _special_names(config: dict, num_base: int, path: Path) -> dict[str, int]:
+    named: dict[int, str] = {}
+    decoder = config.get("added_tokens_decoder", {})
+    if not isinstance(decoder, dict):
+        raise K2Error(f"{path}: added_tokens_decoder must be an object")
+    for key, entry in decoder.items():
+        content = _token_content(entry)
+        try:
+            token_id = int(key)
+        except ValueError:
+            token_id = -1
+        if content is None or not num_base <= token_id < num_base + NUM_RESERVED_SPECIAL:
+            raise K2Error(f"{path}: added_tokens_decoder entry {key!r} is not a named special id in "
+                          f"{num_base}..{num_base + NUM_RESERVED_SPECIAL - 1} (does it match {RANKS_FILE}?)")
+        named[token_id] = content
+    specials: dict[str, int] = {}
+    for token_id in range(num_base, num_base + NUM_RESERVED_SPECIAL):
+        name = named.get(token_id, reserved_name(token_id))
+        if name in specials:
+            raise K2Error(f"{path}: special token {name!r} names both id {specials[name]} and id {token_id}")
+        specials[name] = token_id
+    return specials
+
+
+def _chat_template(config: dict, model_dir: Path) -> str | None:
+    template_file = model_dir / TEMPLATE_FILE
+    if template_file.is_file():
+        return template_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # HF's named-template form: [{"name": ..., "template": ...}]
+        by_name = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = by_name.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # Templates written for HF call tojson with json.dumps' keywords, which jinja's own filter lacks.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise K2Error(f"chat template: {message}")
+
+
+class KimiTokenizer:
+    def __init__(self, encoding: tiktoken.Encoding, num_base_tokens: int, specials: dict[str, int],
+                 chat_template: str | None, special_map: dict[str, str], source: Path):
+        self._enc = encoding
+        self.num_base_tokens = num_base_tokens
+        self._specials = specials
+        self._chat_template = chat_template
+        self._compiled_template = None
+        self._special_map = special_map  # bos_token etc., passed to the template as HF does
+        self.source = source
+        self.bos_id = self.token_to_id(special_map["bos_token"])
+        self.eos_id = self.token_to_id(special_map["eos_token"])
+        self.pad_id = self.token_to_id(special_map["pad_token"])
+        self.im_end_id = self.token_to_id("<|im_end|>")
+        # A chat turn ends with <|im_end|>; [EOS] ends a plain completion.
+        self.stop_ids = [self.eos_id, self.im_end_id]
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "KimiTokenizer":
+        model_dir = Path(path)
+        if not model_dir.is_dir():
+            raise K2Error(f"tokenizer directory missing: {model_dir}")
+        ranks = load_ranks(model_dir / RANKS_FILE)
+        config_path = model_dir / CONFIG_FILE
+        config = _load_json(config_path)
+        num_base = len(ranks)
+        specials = _special_names(config, num_base, config_path)
+        special_map = {}
+        for key, default in (("bos_token", "[BOS]"), ("eos_token", "[EOS]"),
+                             ("pad_token", "[PAD]"), ("unk_token", "[UNK]")):
+            special_map[key] = _token_content(config.get(key)) or default
+        encoding = tiktoken.Encoding(model_dir.resolve().name or "kimi", pat_str=KIMI_PAT_STR,
+                                     mergeable_ranks=ranks, special_tokens=specials)
+        return cls(encoding, num_base, specials, _chat_template(config, model_dir), special_map, model_dir)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.num_base_tokens + NUM_RESERVED_SPECIAL
+
+    def token_to_id(self, name: str) -> int:
+        """A special token's id by name, or a base token's rank given its text."""
+        if name in self._specials:
+            return self._specials[name]
+        try:
+            return self._enc.encode_single_token(name.encode("utf-8"))
+        except KeyError:
+            raise K2Error(f"tokenizer {self.source}: no token named {name!r}") from None
+
+    def id_to_bytes(self, token_id: int) -> bytes:
+        try:
+            return self._enc.decode_single_token_bytes(token_id)
+        except KeyError:
+            raise K2Error(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})") from None
+
+    def encode(self, text: str, allow_special: bool = False) -> list[int]:
+        """Without allow_special, text such as "<|im_end|>" is split like any other text (safe for user input)."""
+        if allow_special:
+            return self._enc.encode(text, allowed_special="all")
+        return self._enc.encode(text, allowed_special=set(), disallowed_special=())
+
+    def decode(self, ids: Iterable[int]) -> str:
+        ids = list(ids)
+        try:
+            return self._enc.decode(ids, errors="replace")
+        except KeyError:
+            bad = [i for i in ids if not 0 <= i < self.vocab_size]
+            raise K2Error(f"token id {bad[0] if bad else '?'} is outside the vocabulary "
+                          f"(size {self.vocab_size})") from None
+
+    def _template(self):
+        if self._compiled_template is None:
+            if self._chat_template is None:
+                raise K2Error(f"tokenizer {self.source}: no chat_template in {CONFIG_FILE} or {TEMPLATE_FILE}")
+            import jinja2
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            # The same environment settings HF uses, so templates written for it render identically.
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+            env.filters["tojson"] = _tojson
+            env.globals["raise_exception"] = _raise_exception
+            try:
+                self._compiled_template = env.from_string(self._chat_template)
+            except jinja2.TemplateError as e:
+                raise K2Error(f"tokenizer {self.source}: bad chat template: {e}") from None
+        return self._compiled_template
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        import jinja2
+
+        try:
+            return self._template().render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                           **self._special_map, **kwargs)
+        except jinja2.TemplateError as e:
+            raise K2Error(f"chat template failed: {e}") from None
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        # Specials are allowed here so the template's markers become their ids (as HF does; message text
+        # that spells a marker becomes that marker too).
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), allow_special=True)
+
+    def stream_decoder(self) -> "StreamDecoder":
+        return StreamDecoder(self)
+
+
+class StreamDecoder:
+    """Turns ids into text one at a time; a UTF-8 character split across tokens is held until complete."""
+
+    def __init__(self, tokenizer: KimiTokenizer):
+        self._tokenizer = tokenizer
+        # The incremental decoder holds back incomplete trailing bytes and gives the same text as a one-shot decode.
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token_id: int) -> str:
+        return self._utf8.decode(self._tokenizer.id_to_bytes(token_id))
+
+    def flush(self) -> str:
+        """Whatever is still held (an incomplete character becomes U+FFFD); the decoder starts afresh."""
+        text = self._utf8.decode(b"", final=True)
+        self._utf8.reset()
+        return text

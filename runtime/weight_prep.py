@@ -1,0 +1,35 @@
+"""Per-layer weight preparation for a graph's weight inputs, done once per backend when a layer is bound.
+
+The manifest gives, for each graph, which inputs are prepared and from which checkpoint tensors
+(export/lower_ort.py); every other weight input is the checkpoint tensor itself, cast to the graph's dtype."""
+
+from __future__ import annotations
+
+import torch
+
+from k2trt.graphs.fp8 import dequant_weight
+
+PREP_OPS = ("dequant_t", "dequant", "moe_fc1_interleaved")
+
+
+def prepare(op: str, sources: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    if op == "dequant_t":
+        w, s = sources
+        return dequant_weight(w, s, dtype).T.contiguous()
+    if op == "dequant":
+        w, s = sources
+        return dequant_weight(w, s, dtype).contiguous()
+    if op == "moe_fc1_interleaved":
+        # ONNX Runtime's fused SwiGLU reads gate and up rows interleaved: g0, u0, g1, u1, ...
+        gw, gs, uw, us = sources
+        g, u = dequant_weight(gw, gs, dtype), dequant_weight(uw, us, dtype)
+        e, inter, d = g.shape
+        return torch.stack([g, u], dim=2).reshape(e, 2 * inter, d).contiguous()
+    raise ValueError(f"unknown weight preparation {op!r}")
+
+
+def as_graph_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A checkpoint tensor as a graph input: bf16 tensors take the activation dtype; fp8 and fp32 stay."""
+    if t.dtype in (torch.bfloat16, torch.float16) and t.dtype != dtype:
+        return t.to(dtype)
+    return t

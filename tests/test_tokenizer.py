@@ -1,0 +1,199 @@
+"""The tiny Kimi tokenizer the project generates, loaded by the same code that loads the real K2 one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from k2trt.errors import K2Error
+from k2trt.runtime.tokenizer import KimiTokenizer, StreamDecoder
+from k2trt.tiny_tokenizer import write_tiny_tokenizer
+
+BASE = 1792
+FILES = ("tiktoken.model", "tokenizer_config.json", "special_tokens_map.json")
+
+TEXTS = [
+    "Hello, world!",
+    "The quick brown fox jumps over the lazy dog.",
+    "我们今天去公园散步，天气很好。",
+    "中文和English混在一起",
+    "Schöne Grüße aus München — très élégant, Ça va?",
+    "emoji 😀🚀🎉 👋🏽 🇩🇪 ❤️",
+    "line one\n\nline three\r\n\ttabbed   spaces   \n   ",
+    "digits 1234567890 and 3.14159, -42, 1e10",
+    "def f(x):\n    return x ** 2  # square\n",
+    "It's, I'm, they've, we'll, you'd, she's",
+    "<|im_end|> spelled out [EOS]",
+    "",
+    " ",
+    "\u0301combining e\u0301 and zero\u200bwidth",
+]
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    write_tiny_tokenizer(d, BASE)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tok(tok_dir):
+    return KimiTokenizer.from_dir(tok_dir)
+
+
+def test_deterministic(tok_dir, tmp_path):
+    write_tiny_tokenizer(tmp_path, BASE)
+    for name in FILES:
+        assert (tmp_path / name).read_bytes() == (tok_dir / name).read_bytes(), name
+
+
+def test_ranks_and_special_ids(tok_dir, tok):
+    lines = (tok_dir / "tiktoken.model").read_text().splitlines()
+    assert len(lines) == BASE
+    assert [int(line.split()[1]) for line in lines] == list(range(BASE))
+    assert tok.num_base_tokens == BASE and tok.vocab_size == 2048
+    assert (tok.bos_id, tok.eos_id, tok.im_end_id, tok.pad_id) == (1792, 1793, 1794, 2047)
+    assert tok.token_to_id("<|im_middle|>") == 1809
+    assert tok.token_to_id("<|im_user|>") == 1795
+    assert tok.token_to_id("<|im_assistant|>") == 1796
+    assert tok.token_to_id("<|im_system|>") == 1802
+    assert tok.token_to_id("[UNK]") == 2046
+    assert tok.token_to_id("<|reserved_token_1797|>") == 1797
+    assert sorted(tok.stop_ids) == [1793, 1794]
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    assert len(config["added_tokens_decoder"]) == 256
+    assert config["added_tokens_decoder"]["1792"]["content"] == "[BOS]"
+    assert config["tokenizer_class"] == "TikTokenTokenizer"
+    assert config["auto_map"] == {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_round_trip(tok, text):
+    ids = tok.encode(text)
+    assert all(0 <= i < BASE for i in ids)  # no specials unless allowed
+    assert tok.decode(ids) == text
+
+
+def test_merges_are_learned(tok):
+    # Common words and multi-byte characters become single tokens, so text compresses well below its byte count.
+    text = "the assistant and the user"
+    assert len(tok.encode(text)) < len(text.encode()) / 2
+    assert len(tok.encode("é")) == 1
+    multibyte = [i for i in range(BASE) if len(tok.decode([i]).encode()) >= 3 and "\ufffd" not in tok.decode([i])]
+    assert multibyte, "some tokens should hold whole multi-byte characters"
+
+
+def test_han_runs_split_from_other_letters(tok):
+    # Tokens never cross pre-tokenizer pieces, so a Han run and a Latin run encode independently.
+    for a, b in [("中文", "English"), ("hello", "世界"), ("模型", "model")]:
+        assert tok.encode(a + b) == tok.encode(a) + tok.encode(b)
+
+
+def test_specials_only_when_allowed(tok):
+    assert tok.encode("<|im_end|>", allow_special=True) == [tok.im_end_id]
+    plain = tok.encode("<|im_end|>")
+    assert tok.im_end_id not in plain and tok.decode(plain) == "<|im_end|>"
+    assert tok.decode([tok.bos_id, tok.im_end_id]) == "[BOS]<|im_end|>"
+
+
+def test_chat_template(tok):
+    user = [{"role": "user", "content": "Hi 你好"}]
+    assert tok.apply_chat_template(user) == (
+        "<|im_system|>system<|im_middle|>You are a helpful assistant<|im_end|>"
+        "<|im_user|>user<|im_middle|>Hi 你好<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|>")
+    with_system = [{"role": "system", "content": "Be brief."},
+                   {"role": "user", "content": "Hi", "name": "ann"},
+                   {"role": "assistant", "content": "Hello."},
+                   {"role": "user", "content": "Bye"}]
+    assert tok.apply_chat_template(with_system, add_generation_prompt=False) == (
+        "<|im_system|>system<|im_middle|>Be brief.<|im_end|>"
+        "<|im_user|>ann<|im_middle|>Hi<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|>Hello.<|im_end|>"
+        "<|im_user|>user<|im_middle|>Bye<|im_end|>")
+    ids = tok.encode_chat(user)
+    assert tok.bos_id not in ids
+    for name in ("<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>"):
+        assert tok.token_to_id(name) in ids
+    assert ids[-1] == tok.token_to_id("<|im_middle|>")
+    assert tok.decode(ids) == tok.apply_chat_template(user)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_stream_decoder(tok, text):
+    ids = tok.encode(text)
+    stream = StreamDecoder(tok)
+    pieces = [stream.feed(i) for i in ids]
+    pieces.append(stream.flush())
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == tok.decode(ids) == text
+
+
+def test_stream_decoder_holds_split_character(tok):
+    # "😀" is four bytes; fed as single-byte tokens nothing comes out until the last one.
+    stream = tok.stream_decoder()
+    out = [stream.feed(b) for b in "😀".encode()]
+    assert out == ["", "", "", "😀"]
+    stream.feed("é".encode()[0])
+    assert stream.flush() == "\ufffd"  # an incomplete tail at the end is replaced, not lost
+
+
+def test_missing_files(tok_dir, tmp_path):
+    with pytest.raises(K2Error, match="missing"):
+        KimiTokenizer.from_dir(tmp_path / "nope")
+    (tmp_path / "tiktoken.model").write_bytes((tok_dir / "tiktoken.model").read_bytes())
+    with pytest.raises(K2Error, match="tokenizer_config.json"):
+        KimiTokenizer.from_dir(tmp_path)
+    (tmp_path / "tiktoken.model").unlink()
+    (tmp_path / "tokenizer_config.json").write_bytes((tok_dir / "tokenizer_config.json").read_bytes())
+    with pytest.raises(K2Error, match="tiktoken.model"):
+        KimiTokenizer.from_dir(tmp_path)
+
+
+def _copy(tok_dir, dst):
+    for name in FILES:
+        (dst / name).write_bytes((tok_dir / name).read_bytes())
+
+
+@pytest.mark.parametrize("bad_line", ["not-a-line", "!!!! 5", "YQ== x", "YQ== 1 2"])
+def test_corrupt_rank_line(tok_dir, tmp_path, bad_line):
+    _copy(tok_dir, tmp_path)
+    lines = (tmp_path / "tiktoken.model").read_text().splitlines()
+    lines[9] = bad_line
+    (tmp_path / "tiktoken.model").write_text("\n".join(lines) + "\n")
+    with pytest.raises(K2Error, match=r"tiktoken\.model:10: malformed") as err:
+        KimiTokenizer.from_dir(tmp_path)
+    assert "\n" not in str(err.value)
+
+
+def test_corrupt_ranks(tok_dir, tmp_path):
+    _copy(tok_dir, tmp_path)
+    lines = (tmp_path / "tiktoken.model").read_text().splitlines()
+    (tmp_path / "tiktoken.model").write_text("\n".join(lines + [lines[3]]) + "\n")  # duplicate token
+    with pytest.raises(K2Error, match=f"tiktoken.model:{BASE + 1}:"):
+        KimiTokenizer.from_dir(tmp_path)
+    (tmp_path / "tiktoken.model").write_text("\n".join(lines[:-2] + lines[-1:]) + "\n")  # gap in ranks
+    with pytest.raises(K2Error, match="not contiguous"):
+        KimiTokenizer.from_dir(tmp_path)
+
+
+def test_bad_json(tok_dir, tmp_path):
+    _copy(tok_dir, tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": ')
+    with pytest.raises(K2Error, match="tokenizer_config.json: invalid JSON") as err:
+        KimiTokenizer.from_dir(tmp_path)
+    assert "\n" not in str(err.value)
+
+
+def test_unnamed_slots_fall_back_to_reserved_names(tmp_path):
+    # A config that names only the used specials (allowed by Kimi's loader) still fills all 256 slots.
+    write_tiny_tokenizer(tmp_path, BASE)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["added_tokens_decoder"] = {k: v for k, v in config["added_tokens_decoder"].items()
+                                      if not v["content"].startswith("<|reserved")}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = KimiTokenizer.from_dir(tmp_path)
+    assert tok.token_to_id("<|reserved_token_1797|>") == 1797  # unnamed slots fall back to reserved names
+    assert tok.token_to_id("<|im_middle|>") == 1809
