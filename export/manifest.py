@@ -1,0 +1,128 @@
+"""manifest.json of an export directory: what each graph is, its I/O, which layers use it, how to prepare its
+weights — everything the runtime and the engine builder need, so neither re-derives it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import onnx
+
+import k2trt
+from k2trt.atomic import atomic_path, atomic_write_text
+from k2trt.config import K2Config
+from k2trt.errors import K2Error
+from k2trt.export.block_graphs import IR_VERSION, KINDS, OPSET
+from k2trt.export.onnx_ops import ELEM_NAME
+
+FORMAT = "k2trt-export/1"
+DIMS = {"B": "batch", "T": "new positions this step", "P": "cache slots, read in place (masked beyond the past)",
+        "P+T": "keys: the P cache slots then the T new positions"}
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _io(values) -> list[dict]:
+    out = []
+    for vi in values:
+        tt = vi.type.tensor_type
+        shape = [d.dim_param if d.dim_param else d.dim_value for d in tt.shape.dim]
+        out.append({"name": vi.name, "dtype": ELEM_NAME[tt.elem_type], "shape": shape})
+    return out
+
+
+def write_graph(out: Path, key: str, kind: str, form: str, model: onnx.ModelProto, prep: dict,
+                activation_quant: int) -> dict:
+    path = out / f"{key}.onnx"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        onnx.save_model(model, str(tmp))
+    inputs = _io(model.graph.input)
+    activation_names = _activation_names(kind)
+    return {
+        "form": form,
+        "kind": kind,
+        "file": f"{key}.onnx",
+        "sha256": sha256_file(path),
+        "activation_quant": activation_quant,
+        "inputs": inputs,
+        "outputs": _io(model.graph.output),
+        "weights": [i["name"] for i in inputs if i["name"] not in activation_names],
+        "prep": prep,
+    }
+
+
+def _activation_names(kind: str) -> set[str]:
+    if kind == "embedding":
+        return {"input_ids"}
+    if kind == "head":
+        return {"hidden_states"}
+    return {"hidden_states", "rope_cos", "rope_sin", "attention_mask", "latent_cache"}
+
+
+def make_manifest(cfg: K2Config, act_dtype: str, activation_quant: int, graphs: dict) -> dict:
+    layers = {kind: [] for kind in KINDS}
+    for i in range(cfg.num_hidden_layers):
+        layers[cfg.layer_kind(i)].append(i)
+    return {
+        "format": FORMAT,
+        "exporter_version": k2trt.__version__,
+        "config_fingerprint": cfg.fingerprint(),
+        "config": cfg.to_hf_dict(),
+        "act_dtype": act_dtype,
+        "activation_quant": activation_quant,
+        "opset": OPSET,
+        "ir_version": IR_VERSION,
+        "dims": DIMS,
+        "layers": layers,
+        "graphs": graphs,
+    }
+
+
+def write_manifest(out: Path, manifest: dict) -> None:
+    atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=1) + "\n")
+
+
+def read_manifest(export_dir: Path) -> dict:
+    path = Path(export_dir) / "manifest.json"
+    if not path.exists():
+        raise K2Error(f"{export_dir}: no manifest.json (run `k2trt export` first)")
+    try:
+        m = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise K2Error(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if m.get("format") != FORMAT:
+        raise K2Error(f"{path}: format {m.get('format')!r} is not {FORMAT!r} (re-export with this version)")
+    return m
+
+
+def load_if_current(out: Path, cfg: K2Config, act_dtype: str, activation_quant: int) -> dict | None:
+    """The existing manifest if it was written for the same config, dtype, mode and exporter version."""
+    try:
+        m = read_manifest(out)
+    except K2Error:
+        return None
+    same = (m.get("config_fingerprint") == cfg.fingerprint() and m.get("act_dtype") == act_dtype
+            and m.get("activation_quant") == activation_quant and m.get("exporter_version") == k2trt.__version__)
+    return m if same else None
+
+
+def entry_is_current(out: Path, entry: dict | None) -> bool:
+    if not entry:
+        return False
+    path = out / entry["file"]
+    return path.exists() and sha256_file(path) == entry["sha256"]
+
+
+def check_matches(manifest: dict, cfg: K2Config, where: str) -> None:
+    """Refuse graphs exported for another config."""
+    if manifest["config_fingerprint"] != cfg.fingerprint():
+        raise K2Error(f"{where}: the graphs were exported for another config "
+                      f"(fingerprint {manifest['config_fingerprint']}, checkpoint {cfg.fingerprint()}); re-export")

@@ -1,0 +1,111 @@
+"""The ONNX Runtime backend: the lowered graphs of an export directory, one session per block kind,
+each layer's weights prepared once and kept as OrtValues. CPUExecutionProvider by default; CUDA when
+onnxruntime-gpu and a GPU are present and asked for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from onnx import TensorProto
+
+from k2trt.errors import K2Error, MissingDependency
+from k2trt.export.manifest import check_matches, read_manifest
+from k2trt.graphs.ops import TORCH_DTYPES
+from k2trt.runtime.weight_prep import as_graph_dtype, prepare
+
+
+def _ort():
+    try:
+        import onnxruntime
+    except ImportError:
+        raise MissingDependency("onnxruntime is not installed (pip install 'k2trt[cpu]')") from None
+    return onnxruntime
+
+
+def ort_value(t: torch.Tensor):
+    """A CPU torch tensor as an OrtValue sharing its memory (fp8 travels as bytes with its ONNX type)."""
+    ort = _ort()
+    t = t.contiguous()
+    if t.dtype == torch.float8_e4m3fn:
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(t.view(torch.uint8).numpy(), TensorProto.FLOAT8E4M3FN)
+    return ort.OrtValue.ortvalue_from_numpy(t.numpy())
+
+
+class OrtBackend:
+    name = "ort"
+
+    def __init__(self, export_dir: str | Path, weights, providers: list[str] | None = None,
+                 cache_layers: bool = True, threads: int | None = None):
+        ort = _ort()
+        self.manifest = read_manifest(Path(export_dir))
+        self.cfg = weights.config
+        check_matches(self.manifest, self.cfg, str(export_dir))
+        act = self.manifest["act_dtype"]
+        if act != "float32" and (providers is None or providers == ["CPUExecutionProvider"]):
+            raise K2Error(f"{export_dir}: graphs are {act}; ONNX Runtime on CPU needs float32 graphs "
+                          f"(re-export with --dtype float32)")
+        self.act_dtype = TORCH_DTYPES[act]
+        self.device = torch.device("cpu")
+        providers = providers or ["CPUExecutionProvider"]
+        missing = [p for p in providers if p not in ort.get_available_providers()]
+        if missing:
+            raise MissingDependency(f"ONNX Runtime provider(s) {', '.join(missing)} not available "
+                                    f"(have {', '.join(ort.get_available_providers())})")
+        opts = ort.SessionOptions()
+        if threads:
+            opts.intra_op_num_threads = threads
+        self.sessions, self.entries = {}, {}
+        for kind in ("embedding", "dense_block", "moe_block", "head"):
+            entry = self.manifest["graphs"][f"ort/{kind}"]
+            self.entries[kind] = entry
+            self.sessions[kind] = ort.InferenceSession(str(Path(export_dir) / entry["file"]), opts,
+                                                       providers=providers)
+        self.weights = weights
+        self.cache_layers = cache_layers
+        self._bound: dict = {}
+        self._globals = weights.globals()
+
+    # ---- weights ------------------------------------------------------------------------------------
+    def _bind(self, kind: str, source: dict) -> dict:
+        entry = self.entries[kind]
+        out = {}
+        for name in entry["weights"]:
+            if name in entry["prep"]:
+                p = entry["prep"][name]
+                t = prepare(p["op"], [source[s] for s in p["from"]], self.act_dtype)
+            else:
+                t = as_graph_dtype(source[name], self.act_dtype)
+            out[name] = ort_value(t)
+        return out
+
+    def _layer(self, key, kind: str, load) -> dict:
+        if key in self._bound:
+            return self._bound[key]
+        bound = self._bind(kind, load())
+        if self.cache_layers or not isinstance(key, int):
+            self._bound[key] = bound
+        return bound
+
+    def _run(self, kind: str, feeds: dict, weights: dict) -> list[torch.Tensor]:
+        feeds = {k: ort_value(v) for k, v in feeds.items()}
+        feeds.update(weights)
+        outs = self.sessions[kind].run_with_ort_values(None, feeds)
+        return [torch.from_numpy(np.asarray(o.numpy())) for o in outs]
+
+    # ---- the Backend interface ----------------------------------------------------------------------
+    def embed(self, input_ids):
+        w = self._layer("embedding", "embedding", lambda: self._globals)
+        return self._run("embedding", {"input_ids": input_ids}, w)[0]
+
+    def block(self, layer, hidden, rope_cos, rope_sin, mask, latent_cache):
+        kind = self.cfg.layer_kind(layer)
+        w = self._layer(layer, kind, lambda: self.weights.block_weights(layer))
+        h, new = self._run(kind, {"hidden_states": hidden, "rope_cos": rope_cos, "rope_sin": rope_sin,
+                                  "attention_mask": mask, "latent_cache": latent_cache}, w)
+        return h, new
+
+    def head(self, hidden):
+        w = self._layer("head", "head", lambda: self._globals)
+        return self._run("head", {"hidden_states": hidden}, w)[0]

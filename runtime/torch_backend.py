@@ -1,0 +1,18 @@
+"""The torch reference as a backend: the same interface, so generation through it is the reference."""
+
+from __future__ import annotations
+
+import torch
+
+from k2trt.graphs.fp8 import WEIGHT_DEQUANT
+from k2trt.graphs.reference import ReferenceModel
+
+
+class TorchBackend(ReferenceModel):
+    name = "torch"
+
+    def __init__(self, weights, act_dtype: str = "float32", activation_quant: int = WEIGHT_DEQUANT,
+                 device: str = "cpu"):
+        super().__init__(weights, act_dtype, activation_quant)
+        self.device = torch.device(device)
+        self.act_dtype = self.ops.act
