@@ -1,0 +1,212 @@
+"""A K2 checkpoint directory: config.json plus safetensors shards (an HF index, or one model.safetensors).
+
+Tensors are read lazily: a shard's header is parsed the first time one of its tensors (or the header
+itself) is needed, and its data is memory-mapped only when a tensor is asked for. `block_weights` instead
+copies one layer with plain reads, so streaming all 61 layers keeps only one layer resident.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from k2trt.config import K2Config
+from k2trt.graphs.weights import (
+    TensorSpec,
+    block_weight_specs,
+    checkpoint_specs,
+    layer_prefix,
+    stacked_source_names,
+)
+from k2trt.safetensors_io import CheckpointError, SafetensorsFile
+
+__all__ = ["Checkpoint", "CheckpointError", "HeaderSpec", "INDEX_NAME", "SINGLE_NAME"]
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+class HeaderSpec(NamedTuple):
+    dtype: str  # torch dtype name, as in graphs/weights.py ("float8_e4m3fn", "bfloat16", "float32", ...)
+    shape: tuple[int, ...]
+    shard: str  # file name inside the checkpoint directory
+
+
+class Checkpoint:
+    def __init__(self, root: Path, config: K2Config, weight_map: dict[str, str]):
+        self.root = root
+        self.config = config
+        self.weight_map = weight_map  # tensor name -> shard file name
+        self._shards: dict[str, SafetensorsFile] = {}
+
+    # ---- opening -------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, path: str | Path) -> "Checkpoint":
+        root = Path(path)
+        if not root.is_dir():
+            raise CheckpointError(f"{root}: not a checkpoint directory")
+        config = K2Config.from_json(root / "config.json")
+        index = root / INDEX_NAME
+        if index.exists():
+            ckpt = cls(root, config, _read_index(index))
+            ckpt._check_shard_files()
+            return ckpt
+        if (root / SINGLE_NAME).exists():
+            single = SafetensorsFile(root / SINGLE_NAME)
+            ckpt = cls(root, config, {name: SINGLE_NAME for name in single.names()})
+            ckpt._shards[SINGLE_NAME] = single
+            return ckpt
+        raise CheckpointError(f"{root}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
+
+    def _check_shard_files(self) -> None:
+        by_shard: dict[str, list[str]] = {}
+        for name, shard in self.weight_map.items():
+            by_shard.setdefault(shard, []).append(name)
+        for shard, names in by_shard.items():
+            if not (self.root / shard).is_file():
+                raise CheckpointError(
+                    f"{self.root / shard}: shard file missing ({INDEX_NAME} places {len(names)} tensor(s) there, "
+                    f"e.g. {names[0]})")
+
+    def shard(self, file_name: str) -> SafetensorsFile:
+        f = self._shards.get(file_name)
+        if f is None:
+            f = self._shards[file_name] = SafetensorsFile(self.root / file_name)
+        return f
+
+    def close(self) -> None:
+        for f in self._shards.values():
+            f.close()
+        self._shards.clear()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- tensors -------------------------------------------------------------------------------
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def _file_for(self, name: str) -> SafetensorsFile:
+        shard = self.weight_map.get(name)
+        if shard is None:
+            raise CheckpointError(f"{self.root}: tensor {name!r} is not in the checkpoint")
+        f = self.shard(shard)
+        if name not in f:
+            raise CheckpointError(f"{f.path}: tensor {name!r} is listed in {INDEX_NAME} for this shard "
+                                  f"but the shard's header does not have it")
+        return f
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """Zero-copy, memory-mapped."""
+        return self._file_for(name).tensor(name)
+
+    def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A copy, read without mapping (see SafetensorsFile.read)."""
+        return self._file_for(name).read(name, out)
+
+    def layer(self, i: int) -> dict[str, torch.Tensor]:
+        """Every tensor of layer i, keyed by the suffix after `model.layers.{i}.` (zero-copy)."""
+        prefix = layer_prefix(i)
+        return {name[len(prefix):]: self.tensor(name) for name in self.weight_map if name.startswith(prefix)}
+
+    def globals(self) -> dict[str, torch.Tensor]:
+        """The tensors outside the layers (embeddings, final norm, lm_head), zero-copy."""
+        return {name: self.tensor(name) for name in self.weight_map if not name.startswith("model.layers.")}
+
+    def block_weights(self, i: int) -> dict[str, torch.Tensor]:
+        """The weight inputs of layer i's block graph, in block_weight_specs order, routed experts stacked
+        to [E, ...]. Copies (one layer at a time) and checks each tensor against the config."""
+        cfg = self.config
+        prefix = layer_prefix(i)
+        out: dict[str, torch.Tensor] = {}
+        for spec in block_weight_specs(cfg, cfg.layer_kind(i)):
+            t = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype))
+            if spec.name.startswith("mlp.experts."):
+                sources = stacked_source_names(spec.name, cfg.n_routed_experts)
+                for e, src in enumerate(sources):
+                    self._check(prefix + src, spec.shape[1:], spec.dtype)
+                    self.read(prefix + src, t[e])
+            else:
+                self._check(prefix + spec.name, spec.shape, spec.dtype)
+                self.read(prefix + spec.name, t)
+            out[spec.name] = t
+        return out
+
+    def _check(self, name: str, shape: tuple[int, ...], dtype: str) -> None:
+        info = self._file_for(name).info(name)
+        if info.shape != tuple(shape) or info.dtype_name != dtype:
+            raise CheckpointError(f"{self.root / self.weight_map[name]}: tensor {name!r} is {info.dtype_name} "
+                                  f"{list(info.shape)}, the config expects {dtype} {list(shape)}")
+
+    # ---- headers and validation -----------------------------------------------------------------
+    def header_specs(self) -> dict[str, HeaderSpec]:
+        """name -> (dtype, shape, shard) for every tensor in every shard, from the headers only."""
+        out: dict[str, HeaderSpec] = {}
+        for shard in sorted(set(self.weight_map.values())):
+            for info in self.shard(shard).infos.values():
+                out[info.name] = HeaderSpec(info.dtype_name, info.shape, shard)
+        return out
+
+    def problems(self, config: K2Config | None = None) -> list[str]:
+        """Every difference between the config's tensor table and the index and headers (no data read)."""
+        expected: dict[str, TensorSpec] = checkpoint_specs(config or self.config)
+        headers = self.header_specs()
+        out: list[str] = []
+        seen: dict[str, str] = {}
+        for shard in sorted(set(self.weight_map.values())):
+            for name in self.shard(shard).infos:
+                if name in seen:
+                    out.append(f"{self.root / shard}: tensor {name!r} is also in {seen[name]}")
+                seen[name] = shard
+        for name, shard in self.weight_map.items():
+            if name not in headers or headers[name].shard != shard:
+                out.append(f"{self.root / shard}: tensor {name!r} is listed in {INDEX_NAME} for this shard "
+                           f"but the shard's header does not have it")
+        for name, h in headers.items():
+            where = self.root / h.shard
+            if self.weight_map.get(name) != h.shard:
+                out.append(f"{where}: tensor {name!r} is in the shard but {INDEX_NAME} does not place it there")
+            spec = expected.get(name)
+            if spec is None:
+                out.append(f"{where}: unexpected tensor {name!r} (not part of this config's model)")
+            elif h.dtype != spec.dtype:
+                out.append(f"{where}: tensor {name!r} has dtype {h.dtype}, expected {spec.dtype}")
+            elif h.shape != spec.shape:
+                out.append(f"{where}: tensor {name!r} has shape {list(h.shape)}, expected {list(spec.shape)}")
+        for name in expected:
+            if name not in headers and name not in self.weight_map:  # else reported above
+                shard = self.weight_map.get(name)
+                where = self.root / shard if shard else self.root
+                out.append(f"{where}: missing tensor {name!r}")
+        return out
+
+    def validate(self, config: K2Config | None = None) -> None:
+        """Raise one CheckpointError unless every expected tensor is present with its exact shape and dtype,
+        and nothing else is (headers only: no tensor data is read)."""
+        found = self.problems(config)
+        if found:
+            more = f" (and {len(found) - 1} more problem(s))" if len(found) > 1 else ""
+            raise CheckpointError(found[0] + more)
+
+
+def _read_index(path: Path) -> dict[str, str]:
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read ({e})") from None
+    wm = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(wm, dict) or not wm:
+        raise CheckpointError(f"{path}: expected an object with a non-empty \"weight_map\"")
+    for name, shard in wm.items():
+        # Shards are plain file names beside the index: nothing may point outside the directory.
+        if not isinstance(shard, str) or not shard or Path(shard).name != shard:
+            raise CheckpointError(f"{path}: tensor {name!r} maps to {shard!r}, which is not a file name")
+    return wm
