@@ -94,6 +94,13 @@ class OrtBackend:
         outs = self.sessions[kind].run_with_ort_values(None, feeds)
         return [torch.from_numpy(np.asarray(o.numpy())) for o in outs]
 
+    def prepare_all(self) -> None:
+        """Bind every layer's weights now, so no step pays for it."""
+        self._layer("embedding", "embedding", lambda: self._globals)
+        self._layer("head", "head", lambda: self._globals)
+        for layer in range(self.cfg.num_hidden_layers):
+            self._layer(layer, self.cfg.layer_kind(layer), lambda: self.weights.block_weights(layer))
+
     # ---- the Backend interface ----------------------------------------------------------------------
     def embed(self, input_ids):
         w = self._layer("embedding", "embedding", lambda: self._globals)

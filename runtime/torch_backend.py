@@ -16,3 +16,7 @@ class TorchBackend(ReferenceModel):
         super().__init__(weights, act_dtype, activation_quant)
         self.device = torch.device(device)
         self.act_dtype = self.ops.act
+
+    def prepare_all(self) -> None:
+        for layer in range(self.cfg.num_hidden_layers):
+            self.layer_weights(layer)

@@ -6,3 +6,24 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    """The embedded tiny checkpoint, made once per session."""
+    from fixtures import tiny_checkpoint
+
+    return tiny_checkpoint(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tiny_ckpt, tmp_path_factory):
+    """The tiny checkpoint's graphs (float32), exported once per session."""
+    from k2trt.config import K2Config
+    from k2trt.export.cli import export
+
+    out = tmp_path_factory.mktemp("tiny-onnx")
+    export(K2Config.from_json(tiny_ckpt), out, "float32", log=lambda *a: None)
+    return out

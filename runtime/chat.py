@@ -1,0 +1,52 @@
+"""`k2trt chat`: an interactive loop with history, through the same backends as generate.
+Type a message; `/reset` clears the history, `/exit` (or end of input) leaves."""
+
+from __future__ import annotations
+
+import sys
+
+from k2trt.runtime.cli import StreamPrinter, add_sampling_arguments, sampling_from, visible_ids
+from k2trt.runtime.loader import add_model_arguments, load, make_generator
+
+
+def add_arguments(p) -> None:
+    add_model_arguments(p)
+    p.add_argument("--system", default=None, help="system prompt (default: the template's)")
+    add_sampling_arguments(p)
+
+
+def run(args) -> int:
+    params = sampling_from(args)
+    loaded = load(args)
+    tok = loaded.tokenizer
+    gen = make_generator(loaded, args.max_context)
+    base = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(base)
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            sys.stdout.write("you> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/exit":
+            return 0
+        line = line.rstrip("\n")
+        if line.strip() == "/reset":
+            history = list(base)
+            print("(history cleared)")
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        prompt = tok.encode_chat(history)
+        printer = StreamPrinter(tok.stream_decoder(), args.stop)
+        sys.stdout.write("k2> ")
+        results, timings = gen.generate(
+            [prompt], args.max_new_tokens, params,
+            on_token=lambda s, t: printer.feed(t) if t not in gen.stop_ids else None)
+        printer.finish()
+        reply = tok.decode(visible_ids(results[0].token_ids, gen.stop_ids))
+        history.append({"role": "assistant", "content": reply})
+        t = timings.as_dict()
+        print(f"[{len(prompt)} prompt tokens, {len(results[0].token_ids)} new; "
+              f"decode {t['decode_tokens_per_s']} tok/s]", file=sys.stderr)

@@ -1,0 +1,124 @@
+"""`k2trt generate`: one prompt (or chat message) through the chosen backend, streamed, with a summary line;
+`--json` prints one JSON object instead."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from k2trt.errors import K2Error
+from k2trt.runtime.loader import add_model_arguments, load, make_generator
+from k2trt.runtime.sampling import SamplingParams
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="raw text, continued as is")
+    what.add_argument("--chat", help="a user message, wrapped in the chat template")
+    add_sampling_arguments(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+
+def sampling_from(args) -> SamplingParams:
+    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    params.validate()
+    return params
+
+
+class StopStrings:
+    """stop_check for the generator: a sequence ends once its decoded text contains a stop string."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer, self.stops = tokenizer, [s for s in stops if s]
+
+    def __call__(self, seq: int, ids: list[int]) -> bool:
+        text = self.tokenizer.decode(ids)
+        return any(s in text for s in self.stops)
+
+    def cut(self, text: str) -> str:
+        ends = [text.index(s) for s in self.stops if s in text]
+        return text[:min(ends)] if ends else text
+
+
+class StreamPrinter:
+    """Prints text as tokens arrive, holding back just enough characters that a stop string can be cut
+    before any of it reaches the terminal; never splits a UTF-8 character (StreamDecoder)."""
+
+    def __init__(self, decoder, stops: list[str], out=sys.stdout):
+        self.decoder, self.stops, self.out = decoder, stops, out
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.pending, self.stopped = "", False
+
+    def _write(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
+
+    def feed(self, token: int) -> None:
+        if self.stopped:
+            return
+        self.pending += self.decoder.feed(token)
+        hits = [self.pending.index(s) for s in self.stops if s in self.pending]
+        if hits:
+            self._write(self.pending[:min(hits)])
+            self.pending, self.stopped = "", True
+        elif len(self.pending) > self.hold:
+            cut = len(self.pending) - self.hold
+            self._write(self.pending[:cut])
+            self.pending = self.pending[cut:]
+
+    def finish(self) -> None:
+        if not self.stopped:
+            self._write(self.pending + self.decoder.flush())
+        self._write("\n")
+
+
+def visible_ids(ids: list[int], stop_ids) -> list[int]:
+    return ids[:-1] if ids and ids[-1] in stop_ids else ids
+
+
+def run(args) -> int:
+    params = sampling_from(args)
+    if args.max_new_tokens < 1:
+        raise K2Error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    loaded = load(args)
+    tok = loaded.tokenizer
+    if args.chat is not None:
+        prompt_ids = tok.encode_chat([{"role": "user", "content": args.chat}])
+    else:
+        if not args.prompt:
+            raise K2Error("--prompt is empty")
+        prompt_ids = tok.encode(args.prompt)
+    gen = make_generator(loaded, args.max_context)
+    stops = StopStrings(tok, args.stop)
+    printer = None if args.json else StreamPrinter(tok.stream_decoder(), stops.stops)
+
+    def on_token(seq: int, token: int) -> None:
+        if printer is not None and token not in gen.stop_ids:
+            printer.feed(token)
+
+    results, timings = gen.generate([prompt_ids], args.max_new_tokens, params, on_token=on_token,
+                                    stop_check=stops if stops.stops else None)
+    res = results[0]
+    text = stops.cut(tok.decode(visible_ids(res.token_ids, gen.stop_ids)))
+    t = timings.as_dict()
+    if args.json:
+        print(json.dumps({"backend": loaded.backend.name, "prompt_token_ids": prompt_ids,
+                          "token_ids": res.token_ids, "text": text, "finish_reason": res.finish_reason,
+                          "timings": t}, ensure_ascii=False))
+    else:
+        printer.finish()
+        print(f"[{loaded.backend.name}] prompt tokens {len(prompt_ids)}, new tokens {len(res.token_ids)} "
+              f"({res.finish_reason}); prefill {t['prefill_tokens_per_s']} tok/s, "
+              f"decode {t['decode_tokens_per_s']} tok/s", file=sys.stderr)
+    return 0

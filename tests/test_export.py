@@ -1,0 +1,151 @@
+"""The exported graphs: ONNX Runtime against the torch reference block by block (fresh random inputs,
+max abs error <= 1e-4 x max |ref| in float32), chained, at K2 size, and the checks every export runs."""
+
+import itertools
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import helper
+
+from k2trt.config import K2Config
+from k2trt.export.block_graphs import KINDS, build_block_graph
+from k2trt.export.checks import GraphCheckError, check_trt_operators
+from k2trt.export.cli import export
+from k2trt.export.manifest import read_manifest
+from k2trt.graphs import contracts
+from k2trt.graphs import weights as W
+from k2trt.graphs.init import RandomWeights
+from k2trt.graphs.mask import attention_mask
+from k2trt.graphs.reference import ReferenceModel
+from k2trt.graphs.rope import rope_tables
+from k2trt.runtime.ort_backend import OrtBackend
+
+TINY = K2Config.preset("tiny")
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def random_export(tmp_path_factory):
+    out = tmp_path_factory.mktemp("onnx")
+    export(TINY, out, "float32", log=lambda *a: None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def pair(random_export):
+    weights = RandomWeights(TINY, seed=7)
+    return ReferenceModel(weights), OrtBackend(random_export, weights)
+
+
+def close(got, ref):
+    return (got - ref).abs().max().item() <= TOL * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("b, t, p", list(itertools.product([1, 3], [1, 7], [0, 5])))
+def test_blocks_on_onnxruntime_match_reference(pair, b, t, p):
+    ref, ort = pair
+    g = torch.Generator().manual_seed(100 * b + 10 * t + p)
+    x = torch.randn(b, t, TINY.hidden_size, generator=g)
+    cache = torch.randn(b, p, TINY.latent_dim, generator=g)
+    # ragged: sequence i has i fewer valid past slots
+    q_pos = torch.arange(p, p + t).expand(b, t)
+    k_pos = torch.arange(p + t).expand(b, p + t)
+    valid = k_pos >= torch.arange(b).clamp(max=p).unsqueeze(1)
+    mask = attention_mask(q_pos, k_pos, valid)
+    cos, sin = rope_tables(TINY, q_pos)
+    for layer in (0, 1):  # the dense block and a MoE block
+        h_ref, new_ref = ref.block(layer, x, cos, sin, mask, cache)
+        h, new = ort.block(layer, x, cos, sin, mask, cache)
+        assert close(h, h_ref) and close(new, new_ref), TINY.layer_kind(layer)
+
+
+def test_embedding_and_head_match_reference(pair):
+    ref, ort = pair
+    ids = torch.randint(0, TINY.vocab_size, (3, 7))
+    assert torch.equal(ort.embed(ids), ref.embed(ids))
+    h = torch.randn(3, 7, TINY.hidden_size)
+    assert close(ort.head(h), ref.head(h))
+
+
+def test_chained_blocks_reproduce_reference_logits(pair):
+    ref, ort = pair
+    ids = torch.randint(0, TINY.vocab_size, (2, 9))
+    pos = torch.arange(9).expand(2, 9)
+    mask = attention_mask(pos, pos, torch.ones(2, 9, dtype=torch.bool))
+    empty = [torch.zeros(2, 0, TINY.latent_dim)] * TINY.num_hidden_layers
+    logits_ref, _ = ref.forward_cached(ids, pos, mask, empty)
+    cos, sin = rope_tables(TINY, pos)
+    h = ort.embed(ids)
+    for layer in range(TINY.num_hidden_layers):
+        h, _ = ort.block(layer, h, cos, sin, mask, empty[layer])
+    assert close(ort.head(h), logits_ref)
+
+
+def test_real_size_graph_weight_inputs_add_up():
+    k2 = K2Config.preset("kimi-k2")
+    for kind, expected in (("moe_block", 17_059_365_248), ("dense_block", 497_500_160)):
+        model = build_block_graph(k2, kind, "bfloat16")
+        weights = {s.name for s in W.block_weight_specs(k2, kind)}
+        total = 0
+        for vi in model.graph.input:
+            if vi.name in weights and not vi.name.endswith("weight_scale_inv"):
+                total += int(np.prod([d.dim_value for d in vi.type.tensor_type.shape.dim]))
+        assert total == expected, kind
+
+
+def test_export_writes_manifest_and_skips_up_to_date(tmp_path):
+    lines = []
+    m = export(TINY, tmp_path, "float32", log=lines.append)
+    assert set(m["graphs"]) == {f"{form}/{k}" for form in ("trt", "ort") for k in KINDS}
+    assert m["layers"] == {"embedding": [], "dense_block": [0], "moe_block": [1, 2, 3], "head": []}
+    assert m["opset"] == 21 and m["ir_version"] == 10 and m["config_fingerprint"] == TINY.fingerprint()
+    assert read_manifest(tmp_path)["graphs"]["trt/moe_block"]["inputs"][0]["shape"] == ["B", "T", 128]
+    lines.clear()
+    export(TINY, tmp_path, "float32", log=lines.append)
+    assert sum("up to date" in line for line in lines) == len(KINDS)
+    assert not list(tmp_path.rglob("*.tmp"))  # nothing half-written left behind
+
+
+def test_dynamic_dims_are_named_the_same_everywhere(random_export):
+    m = read_manifest(random_export)
+    for entry in m["graphs"].values():
+        for io in entry["inputs"] + entry["outputs"]:
+            for d in io["shape"]:
+                assert isinstance(d, int) or d in ("B", "T", "P", "P+T"), (entry["file"], io)
+
+
+def test_custom_nodes_follow_their_contracts():
+    model = build_block_graph(TINY, "moe_block")
+    seen = set()
+    for node in model.graph.node:
+        if node.domain != contracts.NAMESPACE:
+            continue
+        c = contracts.CONTRACTS[node.op_type]
+        seen.add(node.op_type)
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        assert set(attrs) == {"plugin_namespace", "plugin_version", *c.attribute_names()}
+        assert attrs["plugin_namespace"] == contracts.NAMESPACE.encode()
+        assert len(node.input) == len(c.inputs) and len(node.output) == len(c.outputs)
+    assert seen == set(contracts.CONTRACTS)
+
+
+@pytest.mark.parametrize("op, domain, why", [
+    ("Compress", "", "not in TensorRT's ONNX operator support list"),
+    ("If", "", "control flow"),
+    ("MoE", "com.microsoft", "not parsed by TensorRT"),
+])
+def test_operator_check_rejects_planted_node(op, domain, why):
+    model = build_block_graph(TINY, "head")
+    model.graph.node.append(helper.make_node(op, ["hidden_states"], ["planted_out"], name="planted", domain=domain))
+    with pytest.raises(GraphCheckError, match=why) as e:
+        check_trt_operators(model, "trt/head")
+    assert "'planted'" in str(e.value)
+
+
+def test_lowered_graphs_have_no_custom_nodes(random_export):
+    m = read_manifest(random_export)
+    for kind in KINDS:
+        g = onnx.load(str(random_export / m["graphs"][f"ort/{kind}"]["file"]))
+        assert not [n for n in g.graph.node if n.domain == contracts.NAMESPACE]
