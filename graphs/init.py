@@ -1,7 +1,11 @@
-"""Seeded synthetic weights with K2's names, shapes and dtypes (graphs/weights.py), for the embedded tiny
-checkpoint and for tests that want fresh random weights without a checkpoint on disk."""
+"""Seeded synthetic weights with K2's names, shapes and dtypes (graphs/weights.py): the embedded tiny
+checkpoint is made from them, and tests use them for fresh random weights without a checkpoint on disk.
+Each layer has its own generator, so any layer can be made alone and equals the checkpoint's."""
 
 from __future__ import annotations
+
+import math
+from typing import Iterator
 
 import torch
 
@@ -9,55 +13,74 @@ from k2trt.config import K2Config
 from k2trt.graphs import weights as W
 from k2trt.graphs.fp8 import quantize_weight
 
-# std of each tensor family. Linears are 1/sqrt(fan_in) times the factor; the projections that write into
-# the residual stream are smaller so it stays tame over the layers.
+# Initialization scales, in one place to tune. Linear weights are normal with std = factor / sqrt(in_features);
+# the two linears that write into the residual stream (o_proj, down_proj) are smaller so it stays tame.
 INIT = {
-    "linear": 1.0,
-    "residual_out": 0.5,  # o_proj, down_proj
-    "norm_noise": 0.05,
-    "embedding": 1.0,
-    "lm_head": 1.0,  # times 1/sqrt(hidden)
-    "router": 1.0,  # times 1/sqrt(hidden)
-    "bias": 0.02,
+    "linear": 1.0,            # x 1/sqrt(in_features)
+    "residual_linear": 0.5,   # o_proj, down_proj: x 1/sqrt(in_features)
+    "norm_noise": 0.05,       # RMSNorm weights: 1 + N(0, this)
+    "embed": 1.0,             # embed_tokens std
+    "lm_head": 1.0,           # x 1/sqrt(hidden_size)
+    "router": 1.0,            # mlp.gate.weight: x 1/sqrt(hidden_size)
+    "bias": 0.02,             # e_score_correction_bias std
 }
 
-TORCH = {W.BF16: torch.bfloat16, W.F32: torch.float32}
 
 
-def _normal(shape, std, gen):
-    return torch.randn(shape, generator=gen, dtype=torch.float32) * std
+def _linear_std(name: str, in_features: int, init: dict[str, float]) -> float:
+    residual = name.endswith(("o_proj.weight", "down_proj.weight"))
+    return init["residual_linear" if residual else "linear"] / math.sqrt(in_features)
 
 
-def init_tensors(cfg: K2Config, specs: list[W.TensorSpec], gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """Tensors for a list of checkpoint specs (an FP8 weight yields its weight_scale_inv too)."""
-    out: dict[str, torch.Tensor] = {}
-    for s in specs:
-        if s.is_scale:
-            continue  # made with its weight
-        name = s.name
-        if s.dtype == W.FP8:
-            fan_in = s.shape[-1]
-            factor = INIT["residual_out"] if ("o_proj" in name or "down_proj" in name) else INIT["linear"]
-            q, scale = quantize_weight(_normal(s.shape, factor / fan_in**0.5, gen))
-            out[name] = q
-            out[name + "_scale_inv"] = scale
-        elif "norm" in name:
-            out[name] = (1.0 + _normal(s.shape, INIT["norm_noise"], gen)).to(TORCH[s.dtype])
-        elif name.endswith("e_score_correction_bias"):
-            out[name] = _normal(s.shape, INIT["bias"], gen).to(TORCH[s.dtype])
-        elif name == "model.embed_tokens.weight":
-            out[name] = _normal(s.shape, INIT["embedding"], gen).to(TORCH[s.dtype])
-        elif name == "lm_head.weight":
-            out[name] = _normal(s.shape, INIT["lm_head"] / cfg.hidden_size**0.5, gen).to(TORCH[s.dtype])
-        elif name == "mlp.gate.weight":
-            out[name] = _normal(s.shape, INIT["router"] / cfg.hidden_size**0.5, gen).to(TORCH[s.dtype])
+def _norm(shape: tuple[int, ...], g: torch.Generator, init: dict[str, float]) -> torch.Tensor:
+    return (1.0 + torch.randn(shape, generator=g) * init["norm_noise"]).to(torch.bfloat16)
+
+
+def layer_tensors(cfg: K2Config, layer: int, g: torch.Generator, init: dict[str, float] = INIT
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """One layer's checkpoint tensors (suffix names) in layer_specs order."""
+    made: dict[str, torch.Tensor] = {}
+    if cfg.is_moe_layer(layer):
+        # All experts of one projection at once: one batched quantize instead of E small ones.
+        for proj in W.EXPERT_PROJS:
+            name = f"mlp.experts.0.{proj}.weight"
+            n, k = next(s.shape for s in W.layer_specs(cfg, layer) if s.name == name)
+            w = torch.randn(cfg.n_routed_experts, n, k, generator=g) * _linear_std(name, k, init)
+            q, s = quantize_weight(w)
+            for e in range(cfg.n_routed_experts):
+                made[f"mlp.experts.{e}.{proj}.weight"] = q[e].clone()  # clone: no shared storage in a file
+                made[f"mlp.experts.{e}.{proj}.weight_scale_inv"] = s[e].clone()
+    for spec in W.layer_specs(cfg, layer):
+        if spec.name in made:
+            yield spec.name, made.pop(spec.name)
+        elif spec.dtype == W.FP8:
+            w = torch.randn(spec.shape, generator=g) * _linear_std(spec.name, spec.shape[1], init)
+            q, s = quantize_weight(w)
+            made[spec.name + "_scale_inv"] = s  # yielded next, as the spec list puts it right after
+            yield spec.name, q
+        elif spec.name.endswith("layernorm.weight"):
+            yield spec.name, _norm(spec.shape, g, init)
+        elif spec.name == "mlp.gate.weight":
+            std = init["router"] / math.sqrt(cfg.hidden_size)
+            yield spec.name, (torch.randn(spec.shape, generator=g) * std).to(torch.bfloat16)
+        elif spec.name == "mlp.gate.e_score_correction_bias":
+            yield spec.name, torch.randn(spec.shape, generator=g) * init["bias"]
         else:
-            raise ValueError(f"no initializer for {name}")
-    return out
+            raise AssertionError(f"no initializer for {spec.name}")
+
+
+def global_tensors(cfg: K2Config, g: torch.Generator, init: dict[str, float] = INIT) -> dict[str, torch.Tensor]:
+    embed, norm, head = W.global_specs(cfg)
+    return {
+        embed.name: (torch.randn(embed.shape, generator=g) * init["embed"]).to(torch.bfloat16),
+        norm.name: _norm(norm.shape, g, init),
+        head.name: (torch.randn(head.shape, generator=g) * (init["lm_head"] / math.sqrt(cfg.hidden_size)))
+        .to(torch.bfloat16),
+    }
 
 
 class RandomWeights:
-    """A weight source like Checkpoint (.config, .block_weights(layer), .globals()) made from a seed."""
+    """A weight source like Checkpoint (.config, .layer(i), .block_weights(i), .globals()) made from a seed."""
 
     def __init__(self, cfg: K2Config, seed: int = 0):
         self.config = cfg
@@ -67,10 +90,10 @@ class RandomWeights:
         return torch.Generator().manual_seed(self.seed * 1_000_003 + salt)
 
     def layer(self, layer: int) -> dict[str, torch.Tensor]:
-        return init_tensors(self.config, W.layer_specs(self.config, layer), self._gen(layer + 1))
+        return dict(layer_tensors(self.config, layer, self._gen(layer + 1)))
 
     def globals(self) -> dict[str, torch.Tensor]:
-        return init_tensors(self.config, W.global_specs(self.config), self._gen(0))
+        return global_tensors(self.config, self._gen(0))
 
     def block_weights(self, layer: int) -> dict[str, torch.Tensor]:
         return block_inputs_from_layer(self.config, layer, self.layer(layer))

@@ -20,28 +20,15 @@ import torch
 
 from k2trt.config import K2Config
 from k2trt.errors import K2Error
-from k2trt.graphs.fp8 import quantize_weight
 from k2trt.graphs.weights import (
-    EXPERT_PROJS,
     FP8,
     TensorSpec,
     global_specs,
     layer_prefix,
     layer_specs,
 )
+from k2trt.graphs.init import RandomWeights
 from k2trt.safetensors_io import save_file
-
-# Initialization scales, in one place to tune. Linear weights are normal with std = factor / sqrt(in_features);
-# the two linears that write into the residual stream (o_proj, down_proj) are smaller so it stays tame.
-INIT = {
-    "linear": 1.0,            # x 1/sqrt(in_features)
-    "residual_linear": 0.5,   # o_proj, down_proj: x 1/sqrt(in_features)
-    "norm_noise": 0.05,       # RMSNorm weights: 1 + N(0, this)
-    "embed": 1.0,             # embed_tokens std
-    "lm_head": 1.0,           # x 1/sqrt(hidden_size)
-    "router": 1.0,            # mlp.gate.weight: x 1/sqrt(hidden_size)
-    "bias": 0.02,             # e_score_correction_bias std
-}
 
 DEFAULT_SHARDS = 7
 
@@ -114,60 +101,18 @@ def write_checkpoint(out_dir: str | Path, cfg: K2Config, tensors: Iterable[tuple
 
 # ---- synthetic weights ---------------------------------------------------------------------------
 
-def synthetic_tensors(cfg: K2Config, seed: int = 0, init: dict[str, float] = INIT
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+def synthetic_tensors(cfg: K2Config, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
     """Deterministic random weights in ordered_specs order (one layer generated at a time)."""
-    g = torch.Generator().manual_seed(seed)
+    weights = RandomWeights(cfg, seed)
+    g = weights.globals()
     embed, norm, head = global_specs(cfg)
-    d = cfg.hidden_size
-    yield embed.name, (torch.randn(embed.shape, generator=g) * init["embed"]).to(torch.bfloat16)
+    yield embed.name, g[embed.name]
     for layer in range(cfg.num_hidden_layers):
         p = layer_prefix(layer)
-        for name, t in _layer_tensors(cfg, layer, g, init):
-            yield p + name, t
-    yield norm.name, _norm(norm.shape, g, init)
-    yield head.name, (torch.randn(head.shape, generator=g) * (init["lm_head"] / math.sqrt(d))).to(torch.bfloat16)
-
-
-def _linear_std(name: str, in_features: int, init: dict[str, float]) -> float:
-    residual = name.endswith(("o_proj.weight", "down_proj.weight"))
-    return init["residual_linear" if residual else "linear"] / math.sqrt(in_features)
-
-
-def _norm(shape: tuple[int, ...], g: torch.Generator, init: dict[str, float]) -> torch.Tensor:
-    return (1.0 + torch.randn(shape, generator=g) * init["norm_noise"]).to(torch.bfloat16)
-
-
-def _layer_tensors(cfg: K2Config, layer: int, g: torch.Generator, init: dict[str, float]
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
-    made: dict[str, torch.Tensor] = {}
-    if cfg.is_moe_layer(layer):
-        # All experts of one projection at once: one batched quantize instead of E small ones.
-        for proj in EXPERT_PROJS:
-            name = f"mlp.experts.0.{proj}.weight"
-            n, k = next(s.shape for s in layer_specs(cfg, layer) if s.name == name)
-            w = torch.randn(cfg.n_routed_experts, n, k, generator=g) * _linear_std(name, k, init)
-            q, s = quantize_weight(w)
-            for e in range(cfg.n_routed_experts):
-                made[f"mlp.experts.{e}.{proj}.weight"] = q[e].clone()  # clone: no shared storage in a file
-                made[f"mlp.experts.{e}.{proj}.weight_scale_inv"] = s[e].clone()
-    for spec in layer_specs(cfg, layer):
-        if spec.name in made:
-            yield spec.name, made.pop(spec.name)
-        elif spec.dtype == FP8:
-            w = torch.randn(spec.shape, generator=g) * _linear_std(spec.name, spec.shape[1], init)
-            q, s = quantize_weight(w)
-            made[spec.name + "_scale_inv"] = s  # yielded next, as the spec list puts it right after
-            yield spec.name, q
-        elif spec.name.endswith("layernorm.weight"):
-            yield spec.name, _norm(spec.shape, g, init)
-        elif spec.name == "mlp.gate.weight":
-            std = init["router"] / math.sqrt(cfg.hidden_size)
-            yield spec.name, (torch.randn(spec.shape, generator=g) * std).to(torch.bfloat16)
-        elif spec.name == "mlp.gate.e_score_correction_bias":
-            yield spec.name, torch.randn(spec.shape, generator=g) * init["bias"]
-        else:
-            raise AssertionError(f"no initializer for {spec.name}")
+        for name, tensor in weights.layer(layer).items():
+            yield p + name, tensor
+    yield norm.name, g[norm.name]
+    yield head.name, g[head.name]
 
 
 # ---- make-tiny -----------------------------------------------------------------------------------
