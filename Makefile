@@ -22,7 +22,9 @@ install: .venv/.installed
 test: install
 	$(PY) -m pytest
 
-tiny: install
+tiny: $(TINY)/config.json
+
+$(TINY)/config.json: | install
 	$(K2TRT) make-tiny $(TINY)
 
 export: tiny
@@ -30,6 +32,7 @@ export: tiny
 
 generate: export
 	$(K2TRT) generate --model $(TINY) --onnx $(ONNX) --prompt "The quick brown fox" --max-new-tokens 32
+	$(K2TRT) generate --model $(TINY) --onnx $(ONNX) --chat "Hello! Who are you?" --max-new-tokens 24 --temperature 0.8 --top-p 0.95 --seed 1
 
 chat: export
 	$(K2TRT) chat --model $(TINY) --onnx $(ONNX)
@@ -44,7 +47,7 @@ compare: export
 	$(K2TRT) compare --model $(TINY) --onnx $(ONNX)
 
 gpu-check: install
-	$(PY) -m k2trt.runtime.kernels.gpu_check
+	$(PY) -m k2trt.runtime.kernels.gpu_check --markdown build/gpu-check.md
 
 clean:
 	rm -rf build

@@ -149,3 +149,11 @@ def test_lowered_graphs_have_no_custom_nodes(random_export):
     for kind in KINDS:
         g = onnx.load(str(random_export / m["graphs"][f"ort/{kind}"]["file"]))
         assert not [n for n in g.graph.node if n.domain == contracts.NAMESPACE]
+
+
+def test_architecture_doc_shows_the_contracts():
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "ARCHITECTURE.md").read_text()
+    begin, end = doc.index("<!-- contracts:begin"), doc.index("<!-- contracts:end -->")
+    assert contracts.markdown_table() in doc[begin:end]
