@@ -13,7 +13,7 @@ from pathlib import Path
 from k2trt.config import K2Config
 from k2trt.errors import K2Error
 from k2trt.export import manifest as M
-from k2trt.export.block_graphs import KINDS, build_block_graph
+from k2trt.export.block_graphs import KINDS, activation_io, build_block_graph
 from k2trt.export.checks import check_onnx, check_trt_operators
 from k2trt.export.lower_ort import lower_for_ort
 from k2trt.export.onnx_ops import ELEM
@@ -75,9 +75,10 @@ def export(cfg: K2Config, out: Path, act_dtype: str = "float32", activation_quan
         check_trt_operators(trt_model, f"trt/{kind}")
         ort_model, prep = lower_for_ort(trt_model, ELEM[act_dtype])
         check_onnx(ort_model, f"ort/{kind}")
-        graphs[keys[0]] = M.write_graph(out, keys[0], kind, "tensorrt", trt_model, {}, activation_quant)
+        acts = {name for name, _, _ in activation_io(cfg, kind, act_dtype)[0]}
+        graphs[keys[0]] = M.write_graph(out, keys[0], kind, "tensorrt", trt_model, {}, activation_quant, acts)
         # The lowering computes with dequantized weights: the W8A16 convention.
-        graphs[keys[1]] = M.write_graph(out, keys[1], kind, "onnxruntime", ort_model, prep, WEIGHT_DEQUANT)
+        graphs[keys[1]] = M.write_graph(out, keys[1], kind, "onnxruntime", ort_model, prep, WEIGHT_DEQUANT, acts)
         log(f"[{i}/{len(KINDS)}] {kind}: {len(trt_model.graph.node)} nodes, "
             f"{len(graphs[keys[0]]['weights'])} weight inputs ({time.perf_counter() - t0:.1f}s)")
     manifest = M.make_manifest(cfg, act_dtype, activation_quant, graphs)

@@ -39,13 +39,13 @@ def _io(values) -> list[dict]:
 
 
 def write_graph(out: Path, key: str, kind: str, form: str, model: onnx.ModelProto, prep: dict,
-                activation_quant: int) -> dict:
+                activation_quant: int, activation_names: set[str]) -> dict:
+    """Save one graph atomically and describe it; every input not in activation_names is a weight."""
     path = out / f"{key}.onnx"
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
         onnx.save_model(model, str(tmp))
     inputs = _io(model.graph.input)
-    activation_names = _activation_names(kind)
     return {
         "form": form,
         "kind": kind,
@@ -57,14 +57,6 @@ def write_graph(out: Path, key: str, kind: str, form: str, model: onnx.ModelProt
         "weights": [i["name"] for i in inputs if i["name"] not in activation_names],
         "prep": prep,
     }
-
-
-def _activation_names(kind: str) -> set[str]:
-    if kind == "embedding":
-        return {"input_ids"}
-    if kind == "head":
-        return {"hidden_states"}
-    return {"hidden_states", "rope_cos", "rope_sin", "attention_mask", "latent_cache"}
 
 
 def make_manifest(cfg: K2Config, act_dtype: str, activation_quant: int, graphs: dict) -> dict:
