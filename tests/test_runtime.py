@@ -1,0 +1,143 @@
+"""The runtime on the embedded tiny checkpoint: ONNX Runtime generation equals the torch reference, the
+sampling and stop rules, and the clear errors of the CLI."""
+
+import io
+import json
+
+import pytest
+import torch
+
+from k2trt.checkpoint import Checkpoint
+from k2trt.cli import main
+from k2trt.graphs.reference import ReferenceModel, greedy_generate
+from k2trt.runtime.cli import StreamPrinter
+from k2trt.runtime.generator import Generator
+from k2trt.runtime.ort_backend import OrtBackend
+from k2trt.runtime.sampling import Sampler, SamplingParams
+from k2trt.runtime.tokenizer import KimiTokenizer
+from k2trt.errors import K2Error
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_ckpt, tiny_export):
+    ckpt = Checkpoint.open(tiny_ckpt)
+    tok = KimiTokenizer.from_dir(tiny_ckpt)
+    ref = ReferenceModel(ckpt)
+    gen = Generator(OrtBackend(tiny_export, ckpt), ckpt.config)
+    return ckpt, tok, ref, gen
+
+
+PROMPTS = ["The quick brown fox jumps over", "Hello", "Zwölf Boxkämpfer jagen Viktor quer über den großen Sylter Deich."]
+
+
+def test_greedy_batch1_matches_reference_for_32_tokens(setup):
+    ckpt, tok, ref, gen = setup
+    ids = tok.encode(PROMPTS[0])
+    expect, first = greedy_generate(ref, ids, 32)
+    (res,), _ = gen.generate([ids], 32)
+    assert res.token_ids == expect
+    assert len(set(expect)) > 4  # the tiny model does not just repeat one token
+
+
+def test_greedy_ragged_batch_matches_reference(setup):
+    ckpt, tok, ref, gen = setup
+    prompts = [tok.encode(p) for p in PROMPTS]
+    assert len({len(p) for p in prompts}) == 3
+    results, _ = gen.generate(prompts, 32)
+    for p, r in zip(prompts, results):
+        assert r.token_ids == greedy_generate(ref, p, 32)[0]
+
+
+def test_first_step_logits_within_tolerance(setup):
+    ckpt, tok, ref, gen = setup
+    ids = tok.encode(PROMPTS[2])
+    _, first = greedy_generate(ref, ids, 1)
+    seen = {}
+
+    class Spy:
+        def __init__(self, backend):
+            self.b = backend
+            self.name, self.device, self.act_dtype = backend.name, backend.device, backend.act_dtype
+            self.embed, self.block = backend.embed, backend.block
+
+        def head(self, h):
+            seen.setdefault("logits", self.b.head(h))
+            return seen["logits"]
+
+    Generator(Spy(gen.backend), ckpt.config).generate([ids], 1)
+    got = seen["logits"][0, -1]
+    assert (got - first).abs().max() <= 1e-4 * first.abs().max()
+
+
+def test_stop_token_and_stop_string(setup):
+    ckpt, tok, ref, gen = setup
+    ids = tok.encode(PROMPTS[0])
+    free = greedy_generate(ref, ids, 8)[0]
+    stopper = Generator(gen.backend, ckpt.config, stop_ids=(free[3],))
+    (res,), _ = stopper.generate([ids], 8)
+    assert res.token_ids == free[:4] and res.finish_reason == "stop_token"
+    (res,), _ = gen.generate([ids], 8, stop_check=lambda s, got: len(got) == 2)
+    assert res.token_ids == free[:2] and res.finish_reason == "stop_string"
+
+
+def test_stream_printer_cuts_stop_string_before_printing(setup):
+    _, tok, _, _ = setup
+    out = io.StringIO()
+    printer = StreamPrinter(tok.stream_decoder(), ["STOP"], out)
+    for t in tok.encode("hello worSTOPld, more"):
+        printer.feed(t)
+    printer.finish()
+    assert out.getvalue() == "hello wor\n"
+
+
+def test_sampling_is_seeded_and_degenerates_to_greedy():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    a = Sampler(SamplingParams(temperature=0.8, top_p=0.9, seed=5))(logits)
+    b = Sampler(SamplingParams(temperature=0.8, top_p=0.9, seed=5))(logits)
+    assert torch.equal(a, b)
+    assert torch.equal(Sampler(SamplingParams(temperature=1.0, top_k=1, seed=1))(logits), logits.argmax(-1))
+    assert torch.equal(Sampler(SamplingParams(temperature=1.0, top_p=1e-6, seed=1))(logits), logits.argmax(-1))
+
+
+def test_context_limit_and_bad_requests_fail_before_work(setup):
+    ckpt, _, _, gen = setup
+    limited = Generator(gen.backend, ckpt.config, max_context=16)
+    with pytest.raises(K2Error, match="exceeds the context limit of 16"):
+        limited.generate([[1] * 10], 7)
+    with pytest.raises(K2Error, match="prompt 1 is empty"):
+        gen.generate([[1], []], 4)
+    with pytest.raises(K2Error, match="outside the vocabulary"):
+        gen.generate([[ckpt.config.vocab_size]], 4)
+
+
+def test_generate_cli_json(tiny_ckpt, tiny_export, capsys):
+    rc = main(["generate", "--model", str(tiny_ckpt), "--onnx", str(tiny_export), "--prompt", "Hello there",
+               "--max-new-tokens", "5", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"prompt_token_ids", "token_ids", "text", "timings"} <= set(out) and len(out["token_ids"]) == 5
+
+
+def test_generate_cli_streams_and_summarizes(tiny_ckpt, tiny_export, capsys):
+    rc = main(["generate", "--model", str(tiny_ckpt), "--onnx", str(tiny_export), "--chat", "Hi",
+               "--max-new-tokens", "4", "--temperature", "0.7", "--seed", "3"])
+    cap = capsys.readouterr()
+    assert rc == 0 and "prompt tokens" in cap.err and "decode" in cap.err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--max-context", "4"], "exceeds the context limit of 4"),
+])
+def test_generate_cli_bad_arguments(tiny_ckpt, tiny_export, capsys, extra, message):
+    rc = main(["generate", "--model", str(tiny_ckpt), "--onnx", str(tiny_export), "--prompt", "Hello there"] + extra)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and message in err and len(err.splitlines()) == 1
+
+
+def test_generate_cli_missing_model(tmp_path, capsys):
+    rc = main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1
