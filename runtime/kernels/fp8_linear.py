@@ -1,0 +1,269 @@
+"""Triton FP8 block-scaled linear: y = x · Wᵀ, the Fp8BlockLinear node contract (graphs/contracts.py).
+
+W8A8 (activation_quant=1): a per-token-group kernel quantizes x in 1×128 groups (s = max(amax, 1e-4)/448), then a
+GEMM accumulates `dot(a_fp8, b_fp8) · a_s[m, kb] · b_s[n//128, kb]` in fp32, one 128-wide K step at a time
+(the fp8 dot never sums across scale groups, as in DeepSeek's kernel.py / DeepGEMM).
+W8A16 (activation_quant=0): weight tiles are dequantized in-kernel, rounded to the activation dtype like the
+reference, and multiplied in fp32 (fp32 activations, or any dtype under the interpreter) or bf16/fp16 on a GPU.
+
+The @triton.jit helpers below are shared with the grouped MoE kernels in moe.py. Every cast to bf16 or fp8 is
+preceded by an explicit round-to-nearest-even in fp32 (`_rne_*`), so the hardware cast only sees representable
+values: the GPU gets the same bits as the CPU interpreter, whose own fp32→bf16/fp8 casts do not round to even.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from k2trt.graphs.fp8 import BLOCK, PER_TOKEN_GROUP, WEIGHT_DEQUANT
+
+# Activation dtype codes passed to kernels as constexpr (a dtype object is awkward to specialize on).
+ACT_F32, ACT_BF16, ACT_F16 = 0, 1, 2
+_ACT_CODE = {torch.float32: ACT_F32, torch.bfloat16: ACT_BF16, torch.float16: ACT_F16}
+
+
+def interpreting() -> bool:
+    """Whether the kernels run under Triton's CPU interpreter: @triton.jit decided that at import, from
+    TRITON_INTERPRET, and only JITFunction objects compile for a GPU."""
+    return not isinstance(_act_quant_kernel, triton.runtime.jit.JITFunction)
+
+
+def act_code(dtype: torch.dtype) -> int:
+    if dtype not in _ACT_CODE:
+        raise TypeError(f"activations must be float32, bfloat16 or float16, got {dtype}")
+    return _ACT_CODE[dtype]
+
+
+def dot16(dtype: torch.dtype) -> bool:
+    """W8A16 dots in the 16-bit activation dtype (tensor cores, exact products, fp32 accumulation). The interpreter's
+    bf16 arithmetic is wrong, so there bf16 runs as fp32 (same result); its fp16 dot is right, so fp16 keeps the
+    16-bit path and the CPU tests cover it."""
+    return dtype == torch.float16 or (dtype == torch.bfloat16 and not interpreting())
+
+
+def check_activation_quant(activation_quant: int) -> None:
+    if activation_quant not in (WEIGHT_DEQUANT, PER_TOKEN_GROUP):
+        raise ValueError(
+            f"activation_quant must be {WEIGHT_DEQUANT} or {PER_TOKEN_GROUP}, got {activation_quant}")
+
+
+# ---------------------------------------------------------------------------------------------- jit helpers
+
+@triton.jit
+def _rne_bf16(v):
+    """fp32 -> nearest-even bf16 value, still fp32 (integer rounding on the magnitude bits; finite inputs)."""
+    vb = v.to(tl.int32, bitcast=True)
+    bits = vb & 0x7FFFFFFF
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return (bits | ((vb >> 31) << 31)).to(tl.float32, bitcast=True)  # sign bit back (keeps -0.0)
+
+
+@triton.jit
+def _rne_e4m3(v):
+    """fp32 -> nearest-even e4m3fn value (saturated to ±448), still fp32. Normal range: keep 3 mantissa bits;
+    subnormals (|v| < 2^-6) sit on a 2^-9 grid, rounded with floor + tie test (no fp tricks a compiler may fold)."""
+    a = tl.minimum(tl.abs(v), 448.0)
+    bits = a.to(tl.int32, bitcast=True)
+    nrm = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    y = a * 512.0
+    f = tl.floor(y)
+    r = y - f
+    up = (r > 0.5) | ((r == 0.5) & ((f.to(tl.int32) & 1) == 1))
+    sub = (f + up.to(tl.float32)) * 0.001953125
+    m = tl.where(a < 0.015625, sub, nrm).to(tl.int32, bitcast=True)
+    return (m | ((v.to(tl.int32, bitcast=True) >> 31) << 31)).to(tl.float32, bitcast=True)  # keeps -0.0
+
+
+@triton.jit
+def _round_act(v, ACT: tl.constexpr):
+    """Round fp32 to the activation dtype and back (what the reference's `.to(x.dtype)` does)."""
+    if ACT == 1:
+        return _rne_bf16(v)
+    elif ACT == 2:
+        return v.to(tl.float16).to(tl.float32)
+    else:
+        return v
+
+
+@triton.jit
+def _to_act(v, ACT: tl.constexpr):
+    """fp32 -> a tensor of the activation dtype, rounded to nearest even."""
+    if ACT == 1:
+        return _rne_bf16(v).to(tl.bfloat16)
+    elif ACT == 2:
+        return v.to(tl.float16)
+    else:
+        return v
+
+
+@triton.jit
+def _quant_group(v):
+    """[R, 128] fp32 -> (e4m3-valued fp32 [R, 128], scales [R]) exactly as graphs/fp8.quantize_activation."""
+    amax = tl.max(tl.abs(v), axis=1)
+    s = tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0)
+    q = _rne_e4m3(tl.math.div_rn(v, s[:, None]))
+    return q, s
+
+
+@triton.jit
+def _scaled_dot(a, a_s, b, b_s, acc, A_FP8: tl.constexpr, ACT: tl.constexpr, DOT16: tl.constexpr):
+    """One K step: acc += a[BM, BK] · b[BK, BN] with block scales; a_s [BM] (W8A8 only), b_s [BN]."""
+    if A_FP8:
+        # a fresh dot per 128-wide step, scaled, then added in fp32: the fp8 products never mix scale groups
+        # (on sm_90 the wgmma of one step may sum its 128 products in reduced precision — DeepGEMM's trade too)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+    else:
+        w = _to_act(b.to(tl.float32) * b_s[None, :], ACT)  # dequantized weight in the activation dtype
+        if DOT16:
+            acc = tl.dot(a, w, acc)
+        else:
+            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    return acc
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm,
+                      BLOCK_ROWS: tl.constexpr, GROUP: tl.constexpr):
+    pid_m = tl.program_id(0)
+    g = tl.program_id(1)
+    rows = (pid_m * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+    rmask = rows < M
+    cols = g * GROUP + tl.arange(0, GROUP)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=rmask[:, None], other=0.0)
+    q, s = _quant_group(x.to(tl.float32))
+    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(tl.float8e4nv), mask=rmask[:, None])
+    tl.store(s_ptr + rows * stride_sm + g, s, mask=rmask)
+
+
+@triton.jit
+def _linear_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
+                   stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                   A_FP8: tl.constexpr, ACT: tl.constexpr, DOT16: tl.constexpr, EVEN_K: tl.constexpr):
+    # grouped launch order: GROUP_M row tiles share the weight tiles they are reading (L2 reuse in prefill)
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+
+    offs_m = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    bs_ptrs = bs_ptr + (offs_n // 128) * stride_bsn
+    as_ptrs = as_ptr + offs_m * stride_asm
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
+        else:
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=m_mask[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=n_mask[None, :] & k_ok[:, None], other=0.0)
+        b_s = tl.load(bs_ptrs + k0 // 128, mask=n_mask, other=0.0)
+        a_s = b_s  # unused unless A_FP8
+        if A_FP8:
+            a_s = tl.load(as_ptrs + k0 // 128, mask=m_mask, other=0.0)
+        acc = _scaled_dot(a, a_s, b, b_s, acc, A_FP8, ACT, DOT16)
+        a_ptrs += BK
+        b_ptrs += BK
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, _to_act(acc, ACT), mask=m_mask[:, None] & n_mask[None, :])
+
+
+# ---------------------------------------------------------------------------------------------- wrappers
+
+def quantize_activation(x: torch.Tensor, block_rows: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] (K % 128 == 0, unit stride in K) -> (fp8 [M, K], fp32 scales [M, K/128]); same bits as
+    graphs/fp8.quantize_activation."""
+    m, k = x.shape
+    if k % BLOCK:
+        raise ValueError(f"W8A8 needs the input dimension to be a multiple of {BLOCK}, got {k}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(m, k // BLOCK, dtype=torch.float32, device=x.device)
+    if m:
+        _act_quant_kernel[(triton.cdiv(m, block_rows), k // BLOCK)](
+            x, q, s, m, x.stride(0), q.stride(0), s.stride(0), BLOCK_ROWS=block_rows, GROUP=BLOCK)
+    return q, s
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    block_m: int
+    block_n: int
+    block_k: int = 128
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def linear_config(m: int, n: int, k: int) -> LinearConfig:
+    """Per-shape tiles. Decode (few rows) is weight-bandwidth bound: narrow N tiles so that enough programs
+    stream the weight (an H100/H200 has 132 SMs); prefill uses the usual 64×128 / 128×128 fp8 tiles."""
+    if m <= 16:
+        bn = 128
+        while bn > 16 and triton.cdiv(n, bn) < 264:
+            bn //= 2
+        return LinearConfig(16, bn, num_stages=4)
+    if m <= 64:
+        return LinearConfig(32 if m <= 32 else 64, 64, num_stages=4)
+    if m <= 512:
+        return LinearConfig(64, 128, num_stages=3)
+    return LinearConfig(128, 128, num_warps=8, num_stages=3)
+
+
+def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                     activation_quant: int = PER_TOKEN_GROUP, out: torch.Tensor | None = None,
+                     config: LinearConfig | None = None) -> torch.Tensor:
+    """y = x · Wᵀ; x [..., K] fp32/bf16/fp16, weight fp8 e4m3 [N, K], scale_inv fp32 [ceil(N/128), ceil(K/128)].
+    Returns y [..., N] in x's dtype (written into `out` when given)."""
+    check_activation_quant(activation_quant)
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} input channels, weight expects {k}")
+    if weight.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"weight must be float8_e4m3fn, got {weight.dtype}")
+    if tuple(scale_inv.shape) != (triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)):
+        raise ValueError(f"scale_inv shape {tuple(scale_inv.shape)} does not match weight {tuple(weight.shape)}")
+    ac = act_code(x.dtype)
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if out is None:
+        out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    elif out.shape != (*x.shape[:-1], n) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {(*x.shape[:-1], n)}")
+    if m == 0 or n == 0:
+        return out
+    weight = weight.contiguous()
+    scale_inv = scale_inv.to(torch.float32).contiguous()
+    cfg = config or linear_config(m, n, k)
+    if activation_quant == PER_TOKEN_GROUP:
+        a, a_s = quantize_activation(x2)
+    else:
+        a = x2 if x2.stride(1) == 1 else x2.contiguous()
+        a_s = scale_inv  # placeholder, never read
+    y = out.view(m, n)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _linear_kernel[grid](
+        a, a_s, weight, scale_inv, y, m, n, k,
+        a.stride(0), a_s.stride(0), weight.stride(0), scale_inv.stride(0), y.stride(0),
+        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
+        A_FP8=activation_quant == PER_TOKEN_GROUP, ACT=ac, DOT16=dot16(x.dtype), EVEN_K=k % cfg.block_k == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
