@@ -4,6 +4,8 @@ K2TRT   := .venv/bin/k2trt
 TINY    ?= build/tiny
 ONNX    ?= build/onnx
 ENGINES ?= build/engines
+# float32 graphs for ONNX Runtime on a CPU; bfloat16 for TensorRT engines (make export DTYPE=bfloat16 ONNX=build/onnx-bf16)
+DTYPE   ?= float32
 # The CPU build of torch 2.13.0; on a GPU machine use `make install EXTRAS=gpu,dev TORCH=torch`.
 TORCH   ?= torch==2.13.0
 EXTRAS  ?= cpu,dev
@@ -28,7 +30,7 @@ $(TINY)/config.json: | install
 	$(K2TRT) make-tiny $(TINY)
 
 export: tiny
-	$(K2TRT) export --model $(TINY) --out $(ONNX)
+	$(K2TRT) export --model $(TINY) --out $(ONNX) --dtype $(DTYPE)
 
 generate: export
 	$(K2TRT) generate --model $(TINY) --onnx $(ONNX) --prompt "The quick brown fox" --max-new-tokens 32

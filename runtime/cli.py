@@ -23,11 +23,15 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
-    what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--prompt", help="raw text, continued as is")
-    what.add_argument("--chat", help="a user message, wrapped in the chat template")
+    p.add_argument("--prompt", action="append", help="raw text, continued as is (repeat for a batch)")
+    p.add_argument("--chat", action="append", help="a user message, wrapped in the chat template (repeatable)")
     add_sampling_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+
+def check_requests(args) -> None:
+    if not args.prompt and not args.chat:
+        raise K2Error("give --prompt TEXT or --chat TEXT")
 
 
 def sampling_from(args) -> SamplingParams:
@@ -87,38 +91,51 @@ def visible_ids(ids: list[int], stop_ids) -> list[int]:
     return ids[:-1] if ids and ids[-1] in stop_ids else ids
 
 
+def encode_requests(tok, args) -> list[list[int]]:
+    """--prompt texts as they are, --chat texts through the chat template; in the order given."""
+    ids = []
+    for text in args.prompt or []:
+        if not text:
+            raise K2Error("--prompt is empty")
+        ids.append(tok.encode(text))
+    for text in args.chat or []:
+        ids.append(tok.encode_chat([{"role": "user", "content": text}]))
+    return ids
+
+
 def run(args) -> int:
+    check_requests(args)
     params = sampling_from(args)
     if args.max_new_tokens < 1:
         raise K2Error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     loaded = load(args)
     tok = loaded.tokenizer
-    if args.chat is not None:
-        prompt_ids = tok.encode_chat([{"role": "user", "content": args.chat}])
-    else:
-        if not args.prompt:
-            raise K2Error("--prompt is empty")
-        prompt_ids = tok.encode(args.prompt)
+    prompts = encode_requests(tok, args)
     gen = make_generator(loaded, args.max_context)
     stops = StopStrings(tok, args.stop)
-    printer = None if args.json else StreamPrinter(tok.stream_decoder(), stops.stops)
+    # one request streams as it goes; a batch prints each sequence when all are done
+    printer = StreamPrinter(tok.stream_decoder(), stops.stops) if len(prompts) == 1 and not args.json else None
 
     def on_token(seq: int, token: int) -> None:
         if printer is not None and token not in gen.stop_ids:
             printer.feed(token)
 
-    results, timings = gen.generate([prompt_ids], args.max_new_tokens, params, on_token=on_token,
+    results, timings = gen.generate(prompts, args.max_new_tokens, params, on_token=on_token,
                                     stop_check=stops if stops.stops else None)
-    res = results[0]
-    text = stops.cut(tok.decode(visible_ids(res.token_ids, gen.stop_ids)))
+    texts = [stops.cut(tok.decode(visible_ids(r.token_ids, gen.stop_ids))) for r in results]
     t = timings.as_dict()
     if args.json:
-        print(json.dumps({"backend": loaded.backend.name, "prompt_token_ids": prompt_ids,
-                          "token_ids": res.token_ids, "text": text, "finish_reason": res.finish_reason,
-                          "timings": t}, ensure_ascii=False))
-    else:
+        objs = [{"backend": loaded.backend.name, "prompt_token_ids": r.prompt_ids, "token_ids": r.token_ids,
+                 "text": text, "finish_reason": r.finish_reason, "timings": t} for r, text in zip(results, texts)]
+        print(json.dumps(objs[0] if len(objs) == 1 else {"results": objs, "timings": t}, ensure_ascii=False))
+        return 0
+    if printer is not None:
         printer.finish()
-        print(f"[{loaded.backend.name}] prompt tokens {len(prompt_ids)}, new tokens {len(res.token_ids)} "
-              f"({res.finish_reason}); prefill {t['prefill_tokens_per_s']} tok/s, "
-              f"decode {t['decode_tokens_per_s']} tok/s", file=sys.stderr)
+    else:
+        for i, text in enumerate(texts):
+            print(f"--- [{i}] {text}")
+    new = sum(len(r.token_ids) for r in results)
+    reasons = ", ".join(sorted({r.finish_reason for r in results}))
+    print(f"[{loaded.backend.name}] prompt tokens {sum(len(p) for p in prompts)}, new tokens {new} ({reasons}); "
+          f"prefill {t['prefill_tokens_per_s']} tok/s, decode {t['decode_tokens_per_s']} tok/s", file=sys.stderr)
     return 0

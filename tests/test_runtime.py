@@ -141,3 +141,15 @@ def test_generate_cli_missing_model(tmp_path, capsys):
     rc = main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1
+
+
+def test_generate_cli_batch_of_prompts(tiny_ckpt, tiny_export, capsys):
+    rc = main(["generate", "--model", str(tiny_ckpt), "--onnx", str(tiny_export), "--prompt", "Hello there",
+               "--prompt", "A much longer prompt than the first one", "--chat", "Hi", "--max-new-tokens", "3", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and [len(r["token_ids"]) for r in out["results"]] == [3, 3, 3]
+
+
+def test_generate_cli_needs_a_prompt(tiny_ckpt, capsys):
+    rc = main(["generate", "--model", str(tiny_ckpt)])
+    assert rc == 2 and "give --prompt TEXT or --chat TEXT" in capsys.readouterr().err

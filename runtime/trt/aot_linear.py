@@ -1,0 +1,184 @@
+"""One Triton kernel for the whole Fp8BlockLinear contract, so TensorRT can embed it as an AOT plugin.
+
+An AOT plugin is exactly one compiled kernel per (types, tactic), launched by TensorRT with the arguments
+(input pointers..., extra int32 scalars..., output pointers...). The runtime kernel in runtime/kernels/fp8_linear.py
+quantizes activations in a separate launch (W8A8), so here the GEMM quantizes each [BM, 128] activation tile itself
+with the same @triton.jit helpers — same bits as the two-launch path, at the price of re-quantizing a row tile once
+per N tile (negligible next to the tile's dot). The MoE contract needs sorting, several kernels and scratch buffers,
+so it has no AOT form (see docs/TENSORRT.md).
+
+Only this module imports Triton; the plan functions below are plain Python and tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+
+from k2trt.graphs.fp8 import BLOCK, PER_TOKEN_GROUP, WEIGHT_DEQUANT
+from k2trt.runtime.kernels.fp8_linear import _quant_group, _scaled_dot, _to_act, linear_config
+from k2trt.runtime.trt.plugins import LINEAR_TACTIC_ROWS
+
+# Kernel parameter order = TensorRT's AOT launch order: the contract's inputs, the extra scalars, the outputs.
+KERNEL_TENSOR_ARGS = ("x", "weight", "weight_scale_inv")
+KERNEL_SCALAR_ARGS = ("M",)
+KERNEL_OUTPUT_ARGS = ("y",)
+
+# Without cuFuncSetAttribute a kernel may use at most 48 KiB of shared memory, and TensorRT's AOT launch
+# documents no way to raise it: configs are shrunk until they fit.
+AOT_SHARED_LIMIT = 48 * 1024
+
+# activation dtype name -> (Triton pointer type, ACT code of the kernels module)
+ACT_TYPES = {"float32": ("fp32", 0), "bfloat16": ("bf16", 1), "float16": ("fp16", 2)}
+
+TACTIC_ROWS = LINEAR_TACTIC_ROWS  # tactic id -> the row count whose tile config the kernel is compiled with
+
+
+@triton.jit
+def fp8_linear_aot_kernel(x_ptr, w_ptr, ws_ptr, M, y_ptr,
+                          N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                          BK: tl.constexpr, GROUP_M: tl.constexpr, A_FP8: tl.constexpr, ACT: tl.constexpr,
+                          DOT16: tl.constexpr):
+    """y[M, N] = x[M, K] · W[N, K]ᵀ, all contiguous; W8A8 quantizes x tiles in registers."""
+    KB: tl.constexpr = (K + 127) // 128  # row stride of the block scales
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    num_n: tl.constexpr = (N + BN - 1) // BN
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+
+    offs_m = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_ptrs = x_ptr + offs_m[:, None] * K + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None]
+    ws_ptrs = ws_ptr + (offs_n // 128) * KB
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        if K % BK == 0:
+            a = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            b = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
+        else:
+            k_ok = offs_k < K - k0
+            a = tl.load(x_ptrs, mask=m_mask[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=n_mask[None, :] & k_ok[:, None], other=0.0)
+        b_s = tl.load(ws_ptrs + k0 // 128, mask=n_mask, other=0.0)
+        a_s = b_s  # unused unless A_FP8
+        if A_FP8:
+            q, a_s = _quant_group(a.to(tl.float32))  # one 1x128 group per row: BK == 128
+            a = q.to(tl.float8e4nv)
+        acc = _scaled_dot(a, a_s, b, b_s, acc, A_FP8, ACT, DOT16)
+        x_ptrs += BK
+        w_ptrs += BK
+    y_ptrs = y_ptr + offs_m[:, None] * N + offs_n[None, :]
+    tl.store(y_ptrs, _to_act(acc, ACT), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@dataclass(frozen=True)
+class AotLinearPlan:
+    """Everything TensorRT needs besides the PTX: constexprs, grid rule, launch width."""
+
+    n: int
+    k: int
+    act: str
+    activation_quant: int
+    block_m: int
+    block_n: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def block_k(self) -> int:
+        return BLOCK
+
+    def signature(self) -> dict[str, str]:
+        ptr = ACT_TYPES[self.act][0]
+        sig = {"x_ptr": f"*{ptr}", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "M": "i32", "y_ptr": f"*{ptr}"}
+        sig.update({c: "constexpr" for c in self.constexprs()})
+        return sig
+
+    def constexprs(self) -> dict[str, int]:
+        return {"N": self.n, "K": self.k, "BM": self.block_m, "BN": self.block_n, "BK": self.block_k,
+                "GROUP_M": self.group_m, "A_FP8": int(self.activation_quant == PER_TOKEN_GROUP),
+                "ACT": ACT_TYPES[self.act][1], "DOT16": int(self.act != "float32")}
+
+    def grid_x(self, m):
+        """Works on ints and on TensorRT shape expressions (only + * // are used)."""
+        return ((m + self.block_m - 1) // self.block_m) * (-(-self.n // self.block_n))
+
+    def shrink(self) -> "AotLinearPlan | None":
+        """The next smaller config (fewer stages, then narrower N, then fewer rows), or None."""
+        if self.num_stages > 1:
+            return _replace(self, num_stages=self.num_stages - 1)
+        if self.block_n > 32:
+            return _replace(self, block_n=self.block_n // 2, num_stages=2)
+        if self.block_m > 16:
+            return _replace(self, block_m=self.block_m // 2, num_stages=2)
+        return None
+
+
+def _replace(plan: AotLinearPlan, **kw) -> AotLinearPlan:
+    return AotLinearPlan(**{**plan.__dict__, **kw})
+
+
+def plan_for(act: str, n: int, k: int, activation_quant: int, tactic: int) -> AotLinearPlan:
+    if act not in ACT_TYPES:
+        raise ValueError(f"Fp8BlockLinear AOT: activation dtype {act!r} is not one of {tuple(ACT_TYPES)}")
+    if activation_quant not in (WEIGHT_DEQUANT, PER_TOKEN_GROUP):
+        raise ValueError(f"Fp8BlockLinear AOT: activation_quant must be 0 or 1, got {activation_quant}")
+    if activation_quant == PER_TOKEN_GROUP and k % BLOCK:
+        raise ValueError(f"Fp8BlockLinear W8A8 needs K a multiple of {BLOCK}, got {k}")
+    if tactic not in TACTIC_ROWS:
+        raise ValueError(f"Fp8BlockLinear AOT: unknown tactic {tactic}; expected one of {sorted(TACTIC_ROWS)}")
+    cfg = linear_config(TACTIC_ROWS[tactic], n, k)
+    return AotLinearPlan(n, k, act, activation_quant, cfg.block_m, cfg.block_n, cfg.group_m,
+                         cfg.num_warps, cfg.num_stages)
+
+
+def strip_unused_params(ptx: str, kernel: str, keep: int) -> str:
+    """Drop the entry parameters after the first `keep` if the body never reads them.
+
+    Triton >= 3.3 appends hidden scratch-pointer parameters to every kernel; TensorRT launches with exactly the
+    plugin's own arguments, so an entry that declares more would read past the argument array."""
+    head = re.search(r"\.entry\s+" + re.escape(kernel) + r"\s*\(", ptx)
+    if head is None:
+        raise ValueError(f"kernel {kernel!r} not found in the PTX")
+    close = ptx.index(")", head.end())
+    params = [p.strip() for p in ptx[head.end():close].split(",") if p.strip()]
+    if len(params) < keep:
+        raise ValueError(f"kernel {kernel!r} has {len(params)} parameters, expected at least {keep}")
+    body = ptx[close:]
+    for p in params[keep:]:
+        name = p.split()[-1]
+        if re.search(re.escape(name) + r"\b", body):
+            raise ValueError(f"kernel {kernel!r} reads its extra parameter {name}; cannot launch it from TensorRT")
+    inner = ",\n".join("\t" + p for p in params[:keep])
+    return ptx[:head.end()] + "\n" + inner + "\n" + ptx[close:]
+
+
+def compile_plan(plan: AotLinearPlan, target=None):
+    """Compile to PTX, shrinking the config until it fits the AOT shared-memory limit.
+    Returns (plan, kernel name, PTX text, block_x, shared bytes)."""
+    while plan is not None:
+        src = triton.compiler.ASTSource(fn=fp8_linear_aot_kernel, signature=plan.signature(),
+                                        constexprs=plan.constexprs())
+        options = {"num_warps": plan.num_warps, "num_stages": plan.num_stages}
+        compiled = triton.compile(src, target=target, options=options)
+        md = compiled.metadata
+        if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
+            raise ValueError("Fp8BlockLinear AOT kernel needs Triton scratch memory, which TensorRT cannot provide")
+        if md.shared <= AOT_SHARED_LIMIT:
+            n_args = len(KERNEL_TENSOR_ARGS) + len(KERNEL_SCALAR_ARGS) + len(KERNEL_OUTPUT_ARGS)
+            ptx = strip_unused_params(compiled.asm["ptx"], md.name, n_args)
+            return plan, md.name, ptx, md.num_warps * 32, md.shared
+        plan = plan.shrink()
+    raise ValueError("Fp8BlockLinear AOT: no tile config fits in 48 KiB of shared memory")

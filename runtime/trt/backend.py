@@ -1,0 +1,289 @@
+"""The TensorRT backend: the engines of an engine directory behind the Backend interface (runtime/backend.py).
+
+  * each engine is deserialized once, with one execution context; the profile is chosen per call by T
+    (decode profile when T == 1, prefill otherwise) and switched only when it changes;
+  * each layer's weights are uploaded once, on first use, as CUDA tensors in the graph's dtypes (bf16 checkpoint
+    tensors in the activation dtype, FP8 as float8_e4m3fn, experts stacked) and bound by address on every call —
+    one engine serves every layer of its kind;
+  * outputs go to preallocated buffers that grow to the largest shape seen; hidden states alternate between two
+    buffers so a block never writes the buffer it reads. A returned tensor stays valid until the same output is
+    written again (the next call of that kind; for hidden states, the call after next);
+  * everything is enqueued on one CUDA stream, ordered after the caller's stream and before its next work.
+
+Optional CUDA graphs for decode blocks (`cuda_graphs=True`, off by default): see DecodeGraphs below.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from k2trt.errors import K2Error
+from k2trt.export.block_graphs import KINDS
+from k2trt.export.manifest import read_manifest
+from k2trt.graphs.ops import TORCH_DTYPES
+from k2trt.runtime.trt import engine_manifest as EM
+from k2trt.runtime.trt.profiles import check_call_shape, eval_dim, profile_index
+from k2trt.runtime.weight_prep import as_graph_dtype
+
+GRAPH_TORCH_DTYPES = {**TORCH_DTYPES, "float8_e4m3fn": torch.float8_e4m3fn, "float8e4m3fn": torch.float8_e4m3fn,
+                      "bool": torch.bool}
+BLOCK_INPUTS = ("hidden_states", "rope_cos", "rope_sin", "attention_mask", "latent_cache")
+
+
+def output_shapes(entry: dict, dims: dict[str, int]) -> dict[str, tuple[int, ...]]:
+    """Each output's concrete shape from the manifest's symbolic one."""
+    return {o["name"]: tuple(eval_dim(d, dims) for d in o["shape"]) for o in entry["outputs"]}
+
+
+def upload_weights(entry: dict, source: dict, act_dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+    """The graph's weight inputs from a weight source's tensors, on the device in the graph dtypes."""
+    declared = {i["name"]: i for i in entry["inputs"]}
+    out = {}
+    for name in entry["weights"]:
+        if name not in source:
+            raise K2Error(f"weight {name!r} is missing from the checkpoint's tensors for {entry['kind']}")
+        want = declared[name]
+        if list(source[name].shape) != list(want["shape"]):
+            raise K2Error(f"weight {name!r}: shape {list(source[name].shape)}, the engine expects {want['shape']}")
+        t = as_graph_dtype(source[name].to(device), act_dtype)  # cast on the device: faster for big tensors
+        if t.dtype != GRAPH_TORCH_DTYPES[want["dtype"]]:
+            raise K2Error(f"weight {name!r}: {t.dtype}, the engine expects {want['dtype']}")
+        out[name] = t.contiguous()
+    return out
+
+
+class OutputArena:
+    """Growable per-name buffers: one allocation reused by every call that fits."""
+
+    def __init__(self, device):
+        self.device = device
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = 1
+        for s in shape:
+            n *= s
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() < n or buf.dtype != dtype:
+            buf = torch.empty(max(n, 1), dtype=dtype, device=self.device)
+            self.buffers[key] = buf
+        return buf[:n].view(shape)
+
+
+class Engine:
+    """One deserialized engine and its execution context."""
+
+    def __init__(self, runtime, path: Path, entry: dict):
+        engine = runtime.deserialize_cuda_engine(path.read_bytes())
+        if engine is None:
+            raise K2Error(f"{path}: TensorRT could not deserialize the engine (see its log above)")
+        self.engine, self.entry = engine, entry
+        self.context = engine.create_execution_context()
+        self.profile = None
+        self.dtypes = {i["name"]: GRAPH_TORCH_DTYPES[i["dtype"]] for i in entry["inputs"] + entry["outputs"]}
+
+    def bind(self, t: int, inputs: dict, weights: dict, outputs: dict, stream: torch.cuda.Stream) -> None:
+        ctx = self.context
+        p = profile_index(t)
+        if p != self.profile:
+            ctx.set_optimization_profile_async(p, stream.cuda_stream)
+            self.profile = p
+        for name, x in inputs.items():
+            if x.dtype != self.dtypes[name]:
+                raise K2Error(f"{self.entry['kind']}: input {name} is {x.dtype}, the engine takes {self.dtypes[name]}")
+            ctx.set_input_shape(name, tuple(x.shape))
+            ctx.set_tensor_address(name, x.data_ptr())
+        for name, w in weights.items():
+            ctx.set_tensor_address(name, w.data_ptr())
+        for name, y in outputs.items():
+            if tuple(ctx.get_tensor_shape(name)) != tuple(y.shape):
+                raise K2Error(f"{self.entry['kind']}: output {name} is {tuple(ctx.get_tensor_shape(name))} in "
+                              f"TensorRT, {tuple(y.shape)} by the manifest")
+            ctx.set_tensor_address(name, y.data_ptr())
+
+    def enqueue(self, stream: torch.cuda.Stream) -> None:
+        if not self.context.execute_async_v3(stream.cuda_stream):
+            raise K2Error(f"{self.entry['kind']}: TensorRT failed to enqueue the engine (see its log above)")
+
+
+class TrtBackend:
+    name = "tensorrt"
+
+    def __init__(self, engine_dir: str | Path, weights, export_dir: str | Path | None = None,
+                 cuda_graphs: bool = False, device: int = 0, verbose: bool = False):
+        trt = EM.import_tensorrt()
+        EM.require_cuda()
+        from k2trt.runtime.trt.plugins import register_plugins
+
+        engine_dir = Path(engine_dir)
+        export = read_manifest(Path(export_dir)) if export_dir is not None else None
+        self.manifest = EM.load_engine_manifest(engine_dir, export)
+        self.cfg = weights.config
+        if self.manifest["config_fingerprint"] != self.cfg.fingerprint():
+            raise K2Error(f"{engine_dir}: engines were built for config {self.manifest['config_fingerprint']}, "
+                          f"the checkpoint is {self.cfg.fingerprint()}")
+        missing = [k for k in KINDS if k not in self.manifest["engines"]]
+        if missing:
+            raise K2Error(f"{engine_dir}: no engine for {', '.join(missing)} (built with --kinds?); "
+                          "build all of them to generate")
+        self.spec = EM.profile_spec_of(self.manifest)
+        self.act_dtype = TORCH_DTYPES[self.manifest["act_dtype"]]
+        self.device = torch.device("cuda", device)
+        torch.cuda.set_device(self.device)
+        register_plugins()  # JIT plugins run Python at enqueue: their definitions must exist before deserializing
+        self.logger = trt.Logger(trt.Logger.VERBOSE if verbose else trt.Logger.WARNING)
+        self.runtime = trt.Runtime(self.logger)
+        self.engines = {kind: Engine(self.runtime, engine_dir / e["file"], e)
+                        for kind, e in self.manifest["engines"].items()}
+        self.stream = torch.cuda.Stream(self.device)
+        self.weights = weights
+        self._bound: dict = {}
+        self._globals = None
+        self.arena = OutputArena(self.device)
+        self.graphs = DecodeGraphs(self) if cuda_graphs else None
+
+    # ---- weights ------------------------------------------------------------------------------------
+    def layer_weights(self, key, kind: str) -> dict[str, torch.Tensor]:
+        if key not in self._bound:
+            if isinstance(key, int):
+                source = self.weights.block_weights(key)
+            else:
+                if self._globals is None:
+                    self._globals = self.weights.globals()
+                source = self._globals
+            self._bound[key] = upload_weights(self.engines[kind].entry, source, self.act_dtype, self.device)
+        return self._bound[key]
+
+    # ---- running ------------------------------------------------------------------------------------
+    def _outputs(self, kind: str, dims: dict, avoid: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        engine = self.engines[kind]
+        outs = {}
+        for name, shape in output_shapes(engine.entry, dims).items():
+            key = f"{kind}/{name}"
+            if name == "hidden_states_out":  # ping-pong: never the buffer the block reads
+                key = "hidden/a"
+                buf = self.arena.get(key, shape, engine.dtypes[name])
+                if avoid is not None and buf.data_ptr() == avoid.data_ptr():
+                    key = "hidden/b"
+            outs[name] = self.arena.get(key, shape, engine.dtypes[name])
+        return outs
+
+    def _run(self, kind: str, t: int, inputs: dict, weights: dict, outputs: dict) -> None:
+        caller = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(caller)  # inputs were written on the caller's stream
+        engine = self.engines[kind]
+        engine.bind(t, inputs, weights, outputs, self.stream)
+        engine.enqueue(self.stream)
+        caller.wait_stream(self.stream)  # the caller's next work (and frees) come after ours
+
+    def _on_device(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return x.to(self.device, dtype or x.dtype).contiguous()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        b, t = input_ids.shape
+        check_call_shape(self.spec, b, t, t)
+        w = self.layer_weights("embedding", "embedding")
+        ids = self._on_device(input_ids, torch.int64)
+        out = self._outputs("embedding", {"B": b, "T": t})
+        self._run("embedding", t, {"input_ids": ids}, w, out)
+        return out["hidden_states"]
+
+    def block(self, layer, hidden, rope_cos, rope_sin, mask, latent_cache):
+        kind = self.cfg.layer_kind(layer)
+        b, t = hidden.shape[:2]
+        p = latent_cache.shape[1]
+        check_call_shape(self.spec, b, t, p)
+        if latent_cache.device != self.device or latent_cache.dtype != self.act_dtype \
+                or not latent_cache.is_contiguous():
+            raise K2Error(f"latent_cache must be a contiguous {self.act_dtype} tensor on {self.device} "
+                          "(it is read in place)")
+        w = self.layer_weights(layer, kind)
+        inputs = {"hidden_states": self._on_device(hidden, self.act_dtype),
+                  "rope_cos": self._on_device(rope_cos, self.act_dtype),
+                  "rope_sin": self._on_device(rope_sin, self.act_dtype),
+                  "attention_mask": self._on_device(mask, torch.float32),
+                  "latent_cache": latent_cache}
+        if self.graphs is not None and t == 1:
+            return self.graphs.run(layer, kind, inputs, w)
+        out = self._outputs(kind, {"B": b, "T": t, "P": p}, avoid=inputs["hidden_states"])
+        self._run(kind, t, inputs, w, out)
+        return out["hidden_states_out"], out["latent_new"]
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        b, t = hidden.shape[:2]
+        check_call_shape(self.spec, b, t, t)
+        w = self.layer_weights("head", "head")
+        out = self._outputs("head", {"B": b, "T": t})
+        self._run("head", t, {"hidden_states": self._on_device(hidden, self.act_dtype)}, w, out)
+        return out["logits"]
+
+
+class DecodeGraphs:
+    """CUDA graphs of decode-step blocks (T == 1), one per layer, replayed instead of re-enqueued.
+
+    Conditions (why this is off by default):
+      * a graph bakes in every address: the batch B, the cache capacity P and each layer's cache buffer must be
+        the ones it was captured with — any change (a new generate call) recaptures, and all graphs are dropped
+        when B or P changes;
+      * inputs are copied into static buffers before replay (a few KiB per layer in decode);
+      * the plugins' JIT Python runs only during capture, so their kernels must depend on shapes alone: no host
+        sync, no data-dependent launch (true of runtime/kernels: moe_fp8's buffers are bounded from shapes), and
+        their scratch allocations come from the capture's private memory pool;
+      * TensorRT needs one ordinary enqueue with the final shapes and addresses before capture, done here;
+      * replays run in capture order (layer 0 → L-1 every step), which is what lets all graphs share one pool.
+    Unverified without a GPU and TensorRT; compare its output with cuda_graphs=False before relying on it.
+    """
+
+    def __init__(self, backend: TrtBackend):
+        self.backend = backend
+        self.key: tuple | None = None  # (B, P) the graphs are for
+        self.static: dict[str, torch.Tensor] = {}
+        self.per_layer: dict[int, tuple] = {}  # layer -> (cache data_ptr, graph, outputs)
+        self.pool = None
+
+    def _reset(self, b: int, p: int) -> None:
+        be = self.backend
+        self.key, self.per_layer, self.pool = (b, p), {}, torch.cuda.graph_pool_handle()
+        cfg = be.cfg
+        half = cfg.qk_rope_head_dim // 2
+        mk = lambda *s, dtype=be.act_dtype: torch.zeros(*s, dtype=dtype, device=be.device)  # noqa: E731
+        self.static = {"hidden_states": mk(b, 1, cfg.hidden_size), "rope_cos": mk(b, 1, half),
+                       "rope_sin": mk(b, 1, half), "attention_mask": mk(b, 1, p + 1, dtype=torch.float32)}
+
+    def run(self, layer: int, kind: str, inputs: dict, weights: dict):
+        be = self.backend
+        cache = inputs["latent_cache"]
+        b, p = cache.shape[0], cache.shape[1]
+        if self.key != (b, p):
+            self._reset(b, p)
+        stream = be.stream
+        stream.wait_stream(torch.cuda.current_stream(be.device))
+        with torch.cuda.stream(stream):
+            for name, buf in self.static.items():
+                buf.copy_(inputs[name])
+        captured = self.per_layer.get(layer)
+        if captured is None or captured[0] != cache.data_ptr():
+            captured = self._capture(layer, kind, cache, weights)
+            self.per_layer[layer] = captured
+        else:
+            with torch.cuda.stream(stream):
+                captured[1].replay()
+        torch.cuda.current_stream(be.device).wait_stream(stream)
+        outs = captured[2]
+        return outs["hidden_states_out"], outs["latent_new"]
+
+    def _capture(self, layer: int, kind: str, cache: torch.Tensor, weights: dict) -> tuple:
+        be = self.backend
+        engine = be.engines[kind]
+        b, p = self.key
+        outs = {name: torch.empty(shape, dtype=engine.dtypes[name], device=be.device)
+                for name, shape in output_shapes(engine.entry, {"B": b, "T": 1, "P": p}).items()}
+        inputs = {**self.static, "latent_cache": cache}
+        engine.bind(1, inputs, weights, outs, be.stream)
+        engine.enqueue(be.stream)  # computes this step's result and flushes TensorRT's deferred updates
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=be.stream):
+            engine.enqueue(be.stream)
+        return cache.data_ptr(), graph, outs

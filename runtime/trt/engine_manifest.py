@@ -1,0 +1,186 @@
+"""manifest.json of an engine directory, and the checks made before engines are loaded.
+
+A serialized TensorRT engine runs only under the TensorRT version that built it and on GPUs of the compute
+capability it was built for; it also bakes in the graph it was parsed from. The manifest records all three
+(plus the profiles and the graph I/O), and `load_engine_manifest` refuses a mismatch with one clear line instead of
+TensorRT's deserialization failure. TensorRT itself is imported lazily here and nowhere at module level.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import k2trt
+from k2trt.atomic import atomic_write_text
+from k2trt.errors import K2Error, MissingDependency
+from k2trt.runtime.trt.profiles import Profile, ProfileSpec
+
+FORMAT = "k2trt-engines/1"
+INSTALL_HINT = "pip install 'k2trt[gpu]' on an NVIDIA machine"
+
+
+class EngineMismatch(K2Error):
+    """Engines built for another TensorRT, GPU, export or config than the one at hand."""
+
+
+# ---- the running environment ----------------------------------------------------------------------------
+
+def import_tensorrt():
+    try:
+        import tensorrt
+    except ImportError:
+        raise MissingDependency(f"TensorRT is not installed ({INSTALL_HINT})") from None
+    except OSError as e:  # the bindings are present but libnvinfer is not
+        raise MissingDependency(f"TensorRT failed to load: {str(e).splitlines()[0]} ({INSTALL_HINT})") from None
+    return tensorrt
+
+
+def import_tensorrt_plugin():
+    trt = import_tensorrt()
+    try:
+        import tensorrt.plugin as trtp
+    except ImportError:
+        raise MissingDependency(f"TensorRT {trt.__version__} has no tensorrt.plugin module "
+                                "(Python plugins need TensorRT >= 10.10)") from None
+    return trt, trtp
+
+
+def require_cuda():
+    import torch
+
+    if not torch.cuda.is_available():
+        raise MissingDependency("no CUDA GPU is visible to torch (TensorRT engines are built and run on an "
+                                "NVIDIA GPU; install a CUDA build of torch: make install EXTRAS=gpu,dev TORCH=torch)")
+    return torch
+
+
+def current_environment(device: int = 0) -> dict:
+    """TensorRT version and GPU of this process (imports TensorRT and initializes CUDA)."""
+    trt = import_tensorrt()
+    torch = require_cuda()
+    major, minor = torch.cuda.get_device_capability(device)
+    return {"tensorrt_version": trt.__version__, "gpu_name": torch.cuda.get_device_name(device),
+            "compute_capability": f"{major}.{minor}"}
+
+
+def tensorrt_major(version: str) -> int:
+    return int(version.split(".")[0])
+
+
+# ---- writing ---------------------------------------------------------------------------------------------
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def engine_entry(kind: str, graph: dict, profiles: list[Profile], engine_file: str, engine_sha256: str,
+                 plugin_modes: dict[str, str]) -> dict:
+    """One engine's record: its source graph (by hash), profiles, and the graph I/O the runtime binds."""
+    return {
+        "kind": kind,
+        "file": engine_file,
+        "sha256": engine_sha256,
+        "source": graph["file"],
+        "source_sha256": graph["sha256"],
+        "profiles": [p.as_dict() for p in profiles],
+        "inputs": graph["inputs"],
+        "outputs": graph["outputs"],
+        "weights": graph["weights"],
+        "plugins": plugin_modes,
+    }
+
+
+def make_engine_manifest(export_manifest: dict, spec: ProfileSpec, env: dict, engines: dict) -> dict:
+    return {
+        "format": FORMAT,
+        "k2trt_version": k2trt.__version__,
+        "tensorrt_version": env["tensorrt_version"],
+        "gpu": {"name": env["gpu_name"], "compute_capability": env["compute_capability"]},
+        "config_fingerprint": export_manifest["config_fingerprint"],
+        "config": export_manifest["config"],
+        "act_dtype": export_manifest["act_dtype"],
+        "activation_quant": export_manifest.get("activation_quant"),
+        "layers": export_manifest["layers"],
+        "profile_spec": spec.as_dict(),
+        "engines": engines,
+    }
+
+
+def write_engine_manifest(engine_dir: Path, manifest: dict) -> None:
+    atomic_write_text(Path(engine_dir) / "manifest.json", json.dumps(manifest, indent=1) + "\n")
+
+
+# ---- loading ---------------------------------------------------------------------------------------------
+
+def read_engine_manifest(engine_dir: Path) -> dict:
+    path = Path(engine_dir) / "manifest.json"
+    if not path.exists():
+        raise K2Error(f"{engine_dir}: no manifest.json (build the engines with `k2trt build`)")
+    try:
+        m = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise K2Error(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if m.get("format") != FORMAT:
+        raise K2Error(f"{path}: format {m.get('format')!r} is not {FORMAT!r} (rebuild with this version)")
+    return m
+
+
+def check_environment(manifest: dict, env: dict, where: str) -> None:
+    built, here = manifest["tensorrt_version"], env["tensorrt_version"]
+    if built != here:
+        raise EngineMismatch(f"{where}: engines were built with TensorRT {built}, this is TensorRT {here}; "
+                             "rebuild them with `k2trt build`")
+    built_cc, here_cc = manifest["gpu"]["compute_capability"], env["compute_capability"]
+    if built_cc != here_cc:
+        raise EngineMismatch(f"{where}: engines were built for compute capability {built_cc} "
+                             f"({manifest['gpu']['name']}), this GPU is {here_cc} ({env['gpu_name']}); "
+                             "rebuild them on this GPU")
+
+
+def check_export(manifest: dict, export_manifest: dict, where: str) -> None:
+    if manifest["config_fingerprint"] != export_manifest["config_fingerprint"]:
+        raise EngineMismatch(f"{where}: engines were built for config {manifest['config_fingerprint']}, the export "
+                             f"directory has {export_manifest['config_fingerprint']}; rebuild the engines")
+    if manifest["act_dtype"] != export_manifest["act_dtype"]:
+        raise EngineMismatch(f"{where}: engines compute in {manifest['act_dtype']}, the export directory in "
+                             f"{export_manifest['act_dtype']}; rebuild the engines")
+    for kind, entry in manifest["engines"].items():
+        graph = export_manifest["graphs"].get(f"trt/{kind}")
+        if graph is None:
+            raise EngineMismatch(f"{where}: the export directory has no trt/{kind} graph")
+        if graph["sha256"] != entry["source_sha256"]:
+            raise EngineMismatch(f"{where}: {kind}.engine was built from another {graph['file']} "
+                                 f"(sha256 {entry['source_sha256'][:12]}…, now {graph['sha256'][:12]}…); "
+                                 "rebuild the engines")
+
+
+def check_engine_files(manifest: dict, engine_dir: Path) -> None:
+    for kind, entry in manifest["engines"].items():
+        path = Path(engine_dir) / entry["file"]
+        if not path.exists():
+            raise K2Error(f"{engine_dir}: {entry['file']} is missing (rebuild with `k2trt build`)")
+        if sha256_file(path) != entry["sha256"]:
+            raise EngineMismatch(f"{path}: does not match its manifest (a partial copy or another build); rebuild")
+
+
+def load_engine_manifest(engine_dir: str | Path, export_manifest: dict | None = None,
+                         env: dict | None = None) -> dict:
+    """The engine manifest, after checking it against this TensorRT and GPU (`env`, default: the running ones),
+    the engine files, and — when given — the export directory's manifest."""
+    engine_dir = Path(engine_dir)
+    m = read_engine_manifest(engine_dir)
+    check_environment(m, current_environment() if env is None else env, str(engine_dir))
+    if export_manifest is not None:
+        check_export(m, export_manifest, str(engine_dir))
+    check_engine_files(m, engine_dir)
+    return m
+
+
+def profile_spec_of(manifest: dict) -> ProfileSpec:
+    return ProfileSpec(**manifest["profile_spec"])
