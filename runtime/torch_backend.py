@@ -10,11 +10,10 @@ from k2trt.graphs.reference import ReferenceModel
 
 class TorchBackend(ReferenceModel):
     name = "torch"
+    device = torch.device("cpu")  # the reference computes on the CPU, in float32 by default
 
-    def __init__(self, weights, act_dtype: str = "float32", activation_quant: int = WEIGHT_DEQUANT,
-                 device: str = "cpu"):
+    def __init__(self, weights, act_dtype: str = "float32", activation_quant: int = WEIGHT_DEQUANT):
         super().__init__(weights, act_dtype, activation_quant)
-        self.device = torch.device(device)
         self.act_dtype = self.ops.act
 
     def prepare_all(self) -> None:

@@ -153,3 +153,14 @@ def test_generate_cli_batch_of_prompts(tiny_ckpt, tiny_export, capsys):
 def test_generate_cli_needs_a_prompt(tiny_ckpt, capsys):
     rc = main(["generate", "--model", str(tiny_ckpt)])
     assert rc == 2 and "give --prompt TEXT or --chat TEXT" in capsys.readouterr().err
+
+
+def test_seeded_sampling_gives_the_same_tokens_on_ort_and_torch(setup):
+    from k2trt.runtime.torch_backend import TorchBackend
+
+    ckpt, tok, _, gen = setup
+    params = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    ort_res, _ = gen.generate(prompts, 16, params)
+    torch_res, _ = Generator(TorchBackend(ckpt), ckpt.config).generate(prompts, 16, params)
+    assert [r.token_ids for r in ort_res] == [r.token_ids for r in torch_res]
