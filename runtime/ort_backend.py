@@ -39,7 +39,8 @@ class OrtBackend:
     def __init__(self, export_dir: str | Path, weights, providers: list[str] | None = None,
                  cache_layers: bool = True, threads: int | None = None):
         ort = _ort()
-        self.manifest = read_manifest(Path(export_dir))
+        self.export_dir = Path(export_dir)
+        self.manifest = read_manifest(self.export_dir)
         self.cfg = weights.config
         check_matches(self.manifest, self.cfg, str(export_dir))
         act = self.manifest["act_dtype"]
@@ -68,22 +69,27 @@ class OrtBackend:
         self._globals = weights.globals()
 
     # ---- weights ------------------------------------------------------------------------------------
-    def _bind(self, kind: str, source: dict) -> dict:
+    def prepared_weights(self, kind: str, layer: int | None = None) -> dict[str, torch.Tensor]:
+        """The weight inputs of `kind`'s ORT graph for one layer (None: the embedding/head globals), prepared
+        as the manifest says: dequantized, transposed, interleaved or cast."""
+        source = self._globals if layer is None else self.weights.block_weights(layer)
         entry = self.entries[kind]
         out = {}
         for name in entry["weights"]:
             if name in entry["prep"]:
                 p = entry["prep"][name]
-                t = prepare(p["op"], [source[s] for s in p["from"]], self.act_dtype)
+                out[name] = prepare(p["op"], [source[s] for s in p["from"]], self.act_dtype)
             else:
-                t = as_graph_dtype(source[name], self.act_dtype)
-            out[name] = ort_value(t)
+                out[name] = as_graph_dtype(source[name], self.act_dtype)
         return out
 
-    def _layer(self, key, kind: str, load) -> dict:
+    def graph_path(self, kind: str) -> Path:
+        return self.export_dir / self.entries[kind]["file"]
+
+    def _layer(self, key, kind: str, layer: int | None) -> dict:
         if key in self._bound:
             return self._bound[key]
-        bound = self._bind(kind, load())
+        bound = {name: ort_value(t) for name, t in self.prepared_weights(kind, layer).items()}
         if self.cache_layers or not isinstance(key, int):
             self._bound[key] = bound
         return bound
@@ -92,27 +98,28 @@ class OrtBackend:
         feeds = {k: ort_value(v) for k, v in feeds.items()}
         feeds.update(weights)
         outs = self.sessions[kind].run_with_ort_values(None, feeds)
-        return [torch.from_numpy(np.asarray(o.numpy())) for o in outs]
+        # OrtValue.numpy() views memory the OrtValue owns without keeping it alive: copy before it is freed
+        return [torch.from_numpy(np.array(o.numpy(), copy=True)) for o in outs]
 
     def prepare_all(self) -> None:
         """Bind every layer's weights now, so no step pays for it."""
-        self._layer("embedding", "embedding", lambda: self._globals)
-        self._layer("head", "head", lambda: self._globals)
+        self._layer("embedding", "embedding", None)
+        self._layer("head", "head", None)
         for layer in range(self.cfg.num_hidden_layers):
-            self._layer(layer, self.cfg.layer_kind(layer), lambda: self.weights.block_weights(layer))
+            self._layer(layer, self.cfg.layer_kind(layer), layer)
 
     # ---- the Backend interface ----------------------------------------------------------------------
     def embed(self, input_ids):
-        w = self._layer("embedding", "embedding", lambda: self._globals)
+        w = self._layer("embedding", "embedding", None)
         return self._run("embedding", {"input_ids": input_ids}, w)[0]
 
     def block(self, layer, hidden, rope_cos, rope_sin, mask, latent_cache):
         kind = self.cfg.layer_kind(layer)
-        w = self._layer(layer, kind, lambda: self.weights.block_weights(layer))
+        w = self._layer(layer, kind, layer)
         h, new = self._run(kind, {"hidden_states": hidden, "rope_cos": rope_cos, "rope_sin": rope_sin,
                                   "attention_mask": mask, "latent_cache": latent_cache}, w)
         return h, new
 
     def head(self, hidden):
-        w = self._layer("head", "head", lambda: self._globals)
+        w = self._layer("head", "head", None)
         return self._run("head", {"hidden_states": hidden}, w)[0]

@@ -1,0 +1,90 @@
+"""Golden data for `k2trt compare`: the torch reference generates through the runtime's own generator, and a
+recording wrapper keeps what chosen blocks receive and return in the prefill step (T > 1, empty cache) and the
+first decode step (T = 1, reading a non-empty cache)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from k2trt.runtime.generator import Generator
+from k2trt.runtime.polygraphy_support import ACTIVATIONS
+
+
+GOLDEN_STEPS = 2  # prefill + one decode step
+
+
+def block_key(kind: str, layer: int | None) -> str:
+    """The name a block has in the table and under --save-dir: embedding, dense_block_0, moe_block_1, head."""
+    return kind if layer is None else f"{kind}_{layer}"
+
+
+@dataclass
+class BlockCase:
+    key: str
+    kind: str
+    layer: int | None
+    feeds: list[OrderedDict] = field(default_factory=list)  # activation inputs, one dict per step
+    outputs: list[OrderedDict] = field(default_factory=list)  # the reference's outputs for those feeds
+
+
+@dataclass
+class Golden:
+    prompts: list[list[int]]
+    cases: dict[str, BlockCase]
+    tokens: list[list[int]]  # the reference's greedy continuation of each prompt
+    step_logits: list[np.ndarray]  # [B, V] float32 per step (last position of each sequence)
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    # A copy: the generator writes into the cache it handed over right after the block returns.
+    t = t.detach().cpu()
+    return (t if t.dtype == torch.int64 else t.float()).numpy().copy()
+
+
+class Recorder:
+    """A Backend that forwards to `inner` and records the chosen calls of the first `steps` steps.
+    `wanted`: (kind, layer) pairs to record, layer None for the embedding and the head."""
+
+    def __init__(self, inner, cfg, wanted: list[tuple[str, int | None]], steps: int = GOLDEN_STEPS):
+        self.inner, self.cfg, self.steps = inner, cfg, steps
+        self.name, self.device, self.act_dtype = inner.name, inner.device, inner.act_dtype
+        self.cases = {block_key(k, n): BlockCase(block_key(k, n), k, n) for k, n in wanted}
+        self.step = -1
+        self.logits: list[np.ndarray] = []
+
+    def _keep(self, key: str, inputs: tuple, outputs: tuple) -> None:
+        case = self.cases.get(key)
+        if case is None or self.step >= self.steps:
+            return
+        names_in, names_out = ACTIVATIONS[case.kind]
+        case.feeds.append(OrderedDict((n, _np(t)) for n, t in zip(names_in, inputs)))
+        case.outputs.append(OrderedDict((n, _np(t)) for n, t in zip(names_out, outputs)))
+
+    def embed(self, input_ids):
+        self.step += 1  # one embed call per generator step
+        out = self.inner.embed(input_ids)
+        self._keep("embedding", (input_ids,), (out,))
+        return out
+
+    def block(self, layer, hidden, rope_cos, rope_sin, mask, latent_cache):
+        out = self.inner.block(layer, hidden, rope_cos, rope_sin, mask, latent_cache)
+        self._keep(block_key(self.cfg.layer_kind(layer), layer), (hidden, rope_cos, rope_sin, mask, latent_cache), out)
+        return out
+
+    def head(self, hidden):
+        out = self.inner.head(hidden)
+        self._keep("head", (hidden,), (out,))
+        self.logits.append(_np(out[:, -1]))
+        return out
+
+
+def capture(reference, cfg, prompts: list[list[int]], wanted: list[tuple[str, int | None]],
+            new_tokens: int) -> Golden:
+    """Greedy generation of `new_tokens` (at least GOLDEN_STEPS) through `reference`, recording `wanted` blocks."""
+    rec = Recorder(reference, cfg, wanted)
+    results, _ = Generator(rec, cfg).generate(prompts, max(new_tokens, GOLDEN_STEPS))
+    return Golden(prompts, rec.cases, [r.token_ids[:new_tokens] for r in results], rec.logits)
