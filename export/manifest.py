@@ -3,14 +3,13 @@ weights — everything the runtime and the engine builder need, so neither re-de
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 
 import onnx
 
 import k2trt
-from k2trt.atomic import atomic_path, atomic_write_text
+from k2trt.atomic import atomic_path
+from k2trt.files import read_json_object, sha256_file, write_json
 from k2trt.config import K2Config
 from k2trt.errors import K2Error
 from k2trt.export.block_graphs import IR_VERSION, KINDS, OPSET
@@ -19,14 +18,6 @@ from k2trt.export.onnx_ops import ELEM_NAME
 FORMAT = "k2trt-export/1"
 DIMS = {"B": "batch", "T": "new positions this step", "P": "cache slots, read in place (masked beyond the past)",
         "P+T": "keys: the P cache slots then the T new positions"}
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _io(values) -> list[dict]:
@@ -79,17 +70,12 @@ def make_manifest(cfg: K2Config, act_dtype: str, activation_quant: int, graphs: 
 
 
 def write_manifest(out: Path, manifest: dict) -> None:
-    atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=1) + "\n")
+    write_json(out / "manifest.json", manifest)
 
 
 def read_manifest(export_dir: Path) -> dict:
     path = Path(export_dir) / "manifest.json"
-    if not path.exists():
-        raise K2Error(f"{export_dir}: no manifest.json (run `k2trt export` first)")
-    try:
-        m = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise K2Error(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    m = read_json_object(path, "run `k2trt export` first")
     if m.get("format") != FORMAT:
         raise K2Error(f"{path}: format {m.get('format')!r} is not {FORMAT!r} (re-export with this version)")
     return m

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from k2trt.errors import K2Error
+from k2trt.files import read_json_object
 
 
 class ConfigError(K2Error, ValueError):
@@ -150,14 +151,7 @@ class K2Config:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
-        if not path.exists():
-            raise ConfigError(f"{path}: no such file (a model directory needs a config.json)")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a JSON object")
+        raw = read_json_object(path, "a model directory needs a config.json", ConfigError)
         return _parse(raw, str(path))
 
     def write_json(self, path: str | Path) -> None:

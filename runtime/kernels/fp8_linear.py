@@ -142,6 +142,18 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm,
 
 
 @triton.jit
+def _grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """Program id -> (tile row, tile column), walking GROUP_M tile rows at a time so programs running together
+    share weight tiles in L2."""
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
 def _linear_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
                    stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
@@ -150,11 +162,7 @@ def _linear_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
-    group = pid // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    size_m = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
-    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    pid_m, pid_n = _grouped_tile(pid, num_m, num_n, GROUP_M)
 
     offs_m = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)

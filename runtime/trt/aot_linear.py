@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from k2trt.graphs.fp8 import BLOCK, PER_TOKEN_GROUP, WEIGHT_DEQUANT
-from k2trt.runtime.kernels.fp8_linear import _quant_group, _scaled_dot, _to_act, linear_config
+from k2trt.runtime.kernels.fp8_linear import _grouped_tile, _quant_group, _scaled_dot, _to_act, linear_config
 from k2trt.runtime.trt.plugins import LINEAR_TACTIC_ROWS
 
 # Kernel parameter order = TensorRT's AOT launch order: the contract's inputs, the extra scalars, the outputs.
@@ -47,11 +47,7 @@ def fp8_linear_aot_kernel(x_ptr, w_ptr, ws_ptr, M, y_ptr,
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     num_n: tl.constexpr = (N + BN - 1) // BN
-    group = pid // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    size_m = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
-    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    pid_m, pid_n = _grouped_tile(pid, num_m, num_n, GROUP_M)
 
     offs_m = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)

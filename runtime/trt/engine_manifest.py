@@ -8,12 +8,10 @@ TensorRT's deserialization failure. TensorRT itself is imported lazily here and 
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 
 import k2trt
-from k2trt.atomic import atomic_write_text
+from k2trt.files import read_json_object, sha256_file, write_json
 from k2trt.errors import K2Error, MissingDependency
 from k2trt.runtime.trt.profiles import Profile, ProfileSpec
 
@@ -71,14 +69,6 @@ def tensorrt_major(version: str) -> int:
 
 # ---- writing ---------------------------------------------------------------------------------------------
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def engine_entry(kind: str, graph: dict, profiles: list[Profile], engine_file: str, engine_sha256: str,
                  plugin_modes: dict[str, str]) -> dict:
     """One engine's record: its source graph (by hash), profiles, and the graph I/O the runtime binds."""
@@ -113,19 +103,14 @@ def make_engine_manifest(export_manifest: dict, spec: ProfileSpec, env: dict, en
 
 
 def write_engine_manifest(engine_dir: Path, manifest: dict) -> None:
-    atomic_write_text(Path(engine_dir) / "manifest.json", json.dumps(manifest, indent=1) + "\n")
+    write_json(Path(engine_dir) / "manifest.json", manifest)
 
 
 # ---- loading ---------------------------------------------------------------------------------------------
 
 def read_engine_manifest(engine_dir: Path) -> dict:
     path = Path(engine_dir) / "manifest.json"
-    if not path.exists():
-        raise K2Error(f"{engine_dir}: no manifest.json (build the engines with `k2trt build`)")
-    try:
-        m = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise K2Error(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    m = read_json_object(path, "build the engines with `k2trt build`")
     if m.get("format") != FORMAT:
         raise K2Error(f"{path}: format {m.get('format')!r} is not {FORMAT!r} (rebuild with this version)")
     return m
