@@ -6,6 +6,7 @@ rope_cos / rope_sin [B, T, rope/2] (one angle per pair; the HF code duplicates t
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -25,8 +26,10 @@ def yarn_correction_range(cfg: K2Config) -> tuple[int, int]:
     return max(low, 0), min(high, dim - 1)
 
 
+@functools.lru_cache(maxsize=8)
 def inv_freq(cfg: K2Config) -> torch.Tensor:
-    """[rope/2] float32 inverse frequencies, YaRN-blended when rope_scaling is set."""
+    """[rope/2] float32 inverse frequencies, YaRN-blended when rope_scaling is set (cached: every step asks;
+    callers must not modify the result)."""
     dim = cfg.qk_rope_head_dim
     extra = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     rs = cfg.rope_scaling

@@ -71,4 +71,6 @@ def run(args) -> int:
         print(f"{name:<18}{d['prefill_tokens_per_s']:>15}{d['decode_tokens_per_s']:>15}"
               f"{d['host_ms_per_step']:>15}{d['host_share']:>12.1%}")
     print(f"{'ratio runtime/ref':<18}{ratio['prefill_tokens_per_s']:>14}x{ratio['decode_tokens_per_s']:>14}x")
+    print("host = step time outside ONNX Runtime's run calls (onnxruntime) or outside the block calls (torch); "
+          "weights are bound before timing")
     return 0

@@ -29,10 +29,13 @@ class Timings:
     decode_steps: int = 0
     decode_tokens: int = 0
     backend_s: float = 0.0  # time inside the backend's embed/block/head calls
+    session_s: float | None = None  # time inside the inference sessions, for backends that report it
 
     @property
     def host_s(self) -> float:
-        return self.prefill_s + self.decode_s - self.backend_s
+        """Time outside the sessions (outside the backend calls where a backend does not report sessions)."""
+        inside = self.backend_s if self.session_s is None else self.session_s
+        return self.prefill_s + self.decode_s - inside
 
     def as_dict(self) -> dict:
         tps = lambda n, s: round(n / s, 2) if s > 0 else None  # noqa: E731
@@ -41,6 +44,7 @@ class Timings:
             "prefill_tokens_per_s": tps(self.prefill_tokens, self.prefill_s),
             "decode_tokens_per_s": tps(self.decode_tokens, self.decode_s),
             "host_s": round(self.host_s, 4), "backend_s": round(self.backend_s, 4),
+            "session_s": None if self.session_s is None else round(self.session_s, 4),
         }
 
 
@@ -97,6 +101,7 @@ class Generator:
         results = [Result(list(p)) for p in prompts]
         done = torch.zeros(b, dtype=torch.bool)
         timings = Timings()
+        sessions_at_start = getattr(backend, "session_seconds", None)
         filled, step_ids = 0, tokens
         while True:
             t0 = time.perf_counter()
@@ -133,6 +138,8 @@ class Generator:
                 timings.decode_s += dt
                 timings.decode_steps += 1
                 timings.decode_tokens += b
+            if sessions_at_start is not None:
+                timings.session_s = backend.session_seconds - sessions_at_start
             if bool(done.all()):
                 return results, timings
             step_ids = nxt.view(b, 1)
