@@ -157,3 +157,28 @@ def test_architecture_doc_shows_the_contracts():
     doc = (Path(__file__).parent.parent / "docs" / "ARCHITECTURE.md").read_text()
     begin, end = doc.index("<!-- contracts:begin"), doc.index("<!-- contracts:end -->")
     assert contracts.markdown_table() in doc[begin:end]
+
+
+def test_k2_head_dimensions_on_onnxruntime(tmp_path):
+    """K2's own per-head shapes (q_lora 1536, kv_lora 512, nope/rope/v 128/64/128, kv_a 576 rows = a partial
+    scale block) with fewer heads, a smaller hidden size and 16 experts, so CPU memory stays small."""
+    import dataclasses
+
+    cfg = dataclasses.replace(K2Config.preset("kimi-k2"), hidden_size=512, num_attention_heads=2,
+                              num_key_value_heads=2, intermediate_size=512, moe_intermediate_size=256,
+                              n_routed_experts=16, num_hidden_layers=2, vocab_size=512, bos_token_id=0,
+                              eos_token_id=1)
+    export(cfg, tmp_path, "float32", log=lambda *a: None)
+    weights = RandomWeights(cfg, seed=3)
+    ref, ort = ReferenceModel(weights), OrtBackend(tmp_path, weights)
+    b, t, p = 2, 5, 4
+    x = torch.randn(b, t, cfg.hidden_size)
+    cache = torch.randn(b, p, cfg.latent_dim)
+    q_pos = torch.arange(p, p + t).expand(b, t)
+    mask = attention_mask(q_pos, torch.arange(p + t).expand(b, p + t), torch.ones(b, p + t, dtype=torch.bool))
+    cos, sin = rope_tables(cfg, q_pos)
+    assert cfg.latent_dim == 576
+    for layer in (0, 1):
+        h_ref, new_ref = ref.block(layer, x, cos, sin, mask, cache)
+        h, new = ort.block(layer, x, cos, sin, mask, cache)
+        assert close(h, h_ref) and close(new, new_ref), cfg.layer_kind(layer)
