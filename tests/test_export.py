@@ -34,9 +34,12 @@ def random_export(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def pair(random_export):
-    weights = RandomWeights(TINY, seed=7)
-    return ReferenceModel(weights), OrtBackend(random_export, weights)
+def pair(tiny_ckpt, tiny_export):
+    """The embedded default: its checkpoint's weights through its exported graphs."""
+    from k2trt.checkpoint import Checkpoint
+
+    weights = Checkpoint.open(tiny_ckpt)
+    return ReferenceModel(weights), OrtBackend(tiny_export, weights)
 
 
 def close(got, ref):

@@ -332,3 +332,10 @@ def test_kernels_compile_for_sm90():
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count(" ok") >= 20, r.stdout
+
+
+def test_gpu_check_without_a_gpu_says_so_in_one_line(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: this checks the CPU-only message")
+    assert gpu_check.main([]) == 2
+    assert capsys.readouterr().err.strip() == gpu_check.NO_GPU

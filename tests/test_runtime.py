@@ -164,3 +164,38 @@ def test_seeded_sampling_gives_the_same_tokens_on_ort_and_torch(setup):
     ort_res, _ = gen.generate(prompts, 16, params)
     torch_res, _ = Generator(TorchBackend(ckpt), ckpt.config).generate(prompts, 16, params)
     assert [r.token_ids for r in ort_res] == [r.token_ids for r in torch_res]
+
+
+def test_chat_keeps_history_and_resets(tiny_ckpt, tiny_export, capsys, monkeypatch):
+    from k2trt.runtime import chat
+
+    seen = []
+    real = chat.make_generator
+
+    def spy(loaded, max_context):
+        gen = real(loaded, max_context)
+        inner = gen.generate
+
+        def generate(prompts, *a, **k):
+            seen.append(loaded.tokenizer.decode(prompts[0]))
+            return inner(prompts, *a, **k)
+
+        gen.generate = generate
+        return gen
+
+    monkeypatch.setattr(chat, "make_generator", spy)
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello\nHow are you?\n/reset\nAgain\n/exit\n"))
+    rc = main(["chat", "--model", str(tiny_ckpt), "--onnx", str(tiny_export), "--max-new-tokens", "3"])
+    assert rc == 0 and len(seen) == 3
+    assert "Hello" in seen[1] and "How are you?" in seen[1]  # the second turn carries the first
+    assert "Hello" not in seen[2] and "Again" in seen[2]  # /reset cleared it
+    assert seen[0].startswith("<|im_system|>system<|im_middle|>You are a helpful assistant<|im_end|>")
+
+
+def test_bench_prints_both_backends_and_their_ratio(tiny_ckpt, tiny_export, capsys):
+    rc = main(["bench", "--model", str(tiny_ckpt), "--onnx", str(tiny_export), "--prompt-len", "8",
+               "--new-tokens", "3", "--repeat", "1", "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and set(out["rows"]) == {"torch reference", "onnxruntime"}
+    assert set(out["ratio_runtime_over_reference"]) == {"prefill_tokens_per_s", "decode_tokens_per_s"}
+    assert all(r["decode_tokens_per_s"] > 0 and r["host_ms_per_step"] >= 0 for r in out["rows"].values())
