@@ -7,13 +7,13 @@ copies one layer with plain reads, so streaming all 61 layers keeps only one lay
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 from k2trt.config import K2Config
+from k2trt.files import read_json_object
 from k2trt.graphs.weights import (
     TensorSpec,
     block_weight_specs,
@@ -196,13 +196,8 @@ class Checkpoint:
 
 
 def _read_index(path: Path) -> dict[str, str]:
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read ({e})") from None
-    wm = raw.get("weight_map") if isinstance(raw, dict) else None
+    raw = read_json_object(path, "an HF checkpoint directory needs its index", CheckpointError)
+    wm = raw.get("weight_map")
     if not isinstance(wm, dict) or not wm:
         raise CheckpointError(f"{path}: expected an object with a non-empty \"weight_map\"")
     for name, shard in wm.items():

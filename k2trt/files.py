@@ -16,9 +16,11 @@ def read_json_object(path: Path, missing_hint: str, error=K2Error) -> dict:
     if not path.exists():
         raise error(f"{path.parent}: no {path.name} ({missing_hint})")
     try:
-        value = json.loads(path.read_text())
+        value = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise error(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise error(f"{path}: cannot read ({e})") from None
     if not isinstance(value, dict):
         raise error(f"{path}: expected a JSON object")
     return value
