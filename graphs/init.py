@@ -23,7 +23,13 @@ INIT = {
     "lm_head": 1.0,           # x 1/sqrt(hidden_size)
     "router": 1.0,            # mlp.gate.weight: x 1/sqrt(hidden_size)
     "bias": 0.02,             # e_score_correction_bias std
+    "special_lm_head": 0.1,   # lm_head rows of the 256 special ids, except [EOS] and <|im_end|>: as in a trained
+                              # model, reserved tokens (never seen in training) almost never win
 }
+
+# [EOS] and <|im_end|> sit at these offsets of the special block that follows the base vocabulary
+STOP_OFFSETS = (1, 2)
+NUM_SPECIAL = 256
 
 
 
@@ -71,11 +77,17 @@ def layer_tensors(cfg: K2Config, layer: int, g: torch.Generator, init: dict[str,
 
 def global_tensors(cfg: K2Config, g: torch.Generator, init: dict[str, float] = INIT) -> dict[str, torch.Tensor]:
     embed, norm, head = W.global_specs(cfg)
+    lm_head = torch.randn(head.shape, generator=g) * (init["lm_head"] / math.sqrt(cfg.hidden_size))
+    first_special = cfg.vocab_size - NUM_SPECIAL
+    if first_special > 0:
+        scale = torch.ones(cfg.vocab_size)
+        scale[first_special:] = init["special_lm_head"]
+        scale[[first_special + o for o in STOP_OFFSETS]] = 1.0
+        lm_head = lm_head * scale[:, None]
     return {
         embed.name: (torch.randn(embed.shape, generator=g) * init["embed"]).to(torch.bfloat16),
         norm.name: _norm(norm.shape, g, init),
-        head.name: (torch.randn(head.shape, generator=g) * (init["lm_head"] / math.sqrt(cfg.hidden_size)))
-        .to(torch.bfloat16),
+        head.name: lm_head.to(torch.bfloat16),
     }
 
 
