@@ -14,6 +14,7 @@ from k2trt.graphs import contracts
 
 # Control flow is refused outright: TensorRT wants separate profiles, not If/Loop subgraphs.
 FORBIDDEN = {"If", "Loop", "Scan"}
+QDQ = {"QuantizeLinear", "DequantizeLinear"}
 
 
 class GraphCheckError(K2Error):
@@ -34,6 +35,8 @@ def check_onnx(model: onnx.ModelProto, label: str) -> None:
 
 def check_trt_operators(model: onnx.ModelProto, label: str) -> None:
     table = trt_operator_table()["operators"]
+    constants = {i.name for i in model.graph.initializer}
+    constants |= {o for n in model.graph.node if n.op_type == "Constant" for o in n.output}
     for node in model.graph.node:
         where = f"{label}: node {node.name!r} ({node.domain or 'ai.onnx'}::{node.op_type})"
         if node.domain == contracts.NAMESPACE:
@@ -51,3 +54,5 @@ def check_trt_operators(model: onnx.ModelProto, label: str) -> None:
         row = table.get(node.op_type)
         if row is None or not row["supported"]:
             raise GraphCheckError(f"{where} is not in TensorRT's ONNX operator support list")
+        if node.op_type in QDQ and (len(node.input) < 2 or node.input[1] not in constants):
+            raise GraphCheckError(f"{where}: TensorRT needs its scale to be a build-time constant")

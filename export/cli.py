@@ -16,7 +16,7 @@ from k2trt.export import manifest as M
 from k2trt.export.block_graphs import KINDS, activation_io, build_block_graph
 from k2trt.export.checks import check_onnx, check_trt_operators
 from k2trt.export.lower_ort import lower_for_ort
-from k2trt.export.onnx_ops import ELEM
+from k2trt.export.onnx_ops import ELEM, weight_prep
 from k2trt.graphs.fp8 import PER_TOKEN_GROUP, WEIGHT_DEQUANT
 
 ACT_QUANT = {"w8a8": PER_TOKEN_GROUP, "w8a16": WEIGHT_DEQUANT}
@@ -76,7 +76,8 @@ def export(cfg: K2Config, out: Path, act_dtype: str = "float32", activation_quan
         ort_model, prep = lower_for_ort(trt_model, ELEM[act_dtype])
         check_onnx(ort_model, f"ort/{kind}")
         acts = {name for name, _, _ in activation_io(cfg, kind, act_dtype)[0]}
-        graphs[keys[0]] = M.write_graph(out, keys[0], kind, "tensorrt", trt_model, {}, activation_quant, acts)
+        graphs[keys[0]] = M.write_graph(out, keys[0], kind, "tensorrt", trt_model, weight_prep(trt_model),
+                                        activation_quant, acts)
         # The lowering computes with dequantized weights: the W8A16 convention.
         graphs[keys[1]] = M.write_graph(out, keys[1], kind, "onnxruntime", ort_model, prep, WEIGHT_DEQUANT, acts)
         log(f"[{i}/{len(KINDS)}] {kind}: {len(trt_model.graph.node)} nodes, "

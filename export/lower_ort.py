@@ -22,6 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import numpy as np
 
+from k2trt.export.onnx_ops import set_weight_prep, weight_prep
 from k2trt.graphs import contracts
 
 MS_DOMAIN = "com.microsoft"
@@ -49,7 +50,7 @@ def lower_for_ort(model: onnx.ModelProto, act_elem: int = TensorProto.FLOAT):
     g = m.graph
     shapes = _shapes(m)
     inputs = {i.name: i for i in g.input}
-    prep: dict[str, dict] = {}
+    prep: dict[str, dict] = weight_prep(model)  # preparations the graph already has (e.g. kv_b dequantized)
     new_nodes, new_inputs, consts = [], {}, []
     counter = [0]
 
@@ -138,6 +139,7 @@ def lower_for_ort(model: onnx.ModelProto, act_elem: int = TensorProto.FLOAT):
         opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
     del m.opset_import[:]
     m.opset_import.extend(opsets)
+    set_weight_prep(m, prep)
     return m, prep
 
 

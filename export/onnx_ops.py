@@ -7,6 +7,7 @@ defined once. `Sym` stands for an ONNX value (name, element type, shape with nam
 from __future__ import annotations
 
 import itertools
+import json
 
 import numpy as np
 import onnx
@@ -22,6 +23,24 @@ ELEM = {
 ELEM_NAME = {v: k for k, v in ELEM.items() if k != "float8e4m3fn"}
 NP_SCALAR = {"float32": np.float32, "float16": np.float16, "int32": np.int32, "int64": np.int64}
 INT64_MAX = np.iinfo(np.int64).max
+
+
+PREP_KEY = "k2trt.weight_prep"
+
+
+def set_weight_prep(model: onnx.ModelProto, prep: dict) -> None:
+    """Record in the graph which weight inputs are prepared from which checkpoint tensors (JSON metadata)."""
+    for p in list(model.metadata_props):
+        if p.key == PREP_KEY:
+            model.metadata_props.remove(p)
+    helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props}, PREP_KEY: json.dumps(prep)})
+
+
+def weight_prep(model: onnx.ModelProto) -> dict:
+    for p in model.metadata_props:
+        if p.key == PREP_KEY:
+            return json.loads(p.value)
+    return {}
 
 
 class Sym:
@@ -71,6 +90,8 @@ class OnnxOps:
         self.value_info: list[onnx.ValueInfoProto] = []
         self._ids = itertools.count()
         self._consts: dict = {}
+        self.prep: dict[str, dict] = {}  # prepared weight inputs: name -> {"op", "from": [source inputs]}
+        self._prepared: dict[str, Sym] = {}
 
     # ---- graph plumbing ---------------------------------------------------------------------------
     def _fresh(self, hint: str) -> str:
@@ -123,12 +144,15 @@ class OnnxOps:
         return sym
 
     def model(self, name: str, ir_version: int = 10) -> onnx.ModelProto:
-        graph = helper.make_graph(self.nodes, name, self.inputs, self.outputs, self.initializers,
+        used = {i for n in self.nodes for i in n.input}
+        inputs = [i for i in self.inputs if i.name in used]  # e.g. an FP8 weight only its prepared form reads
+        graph = helper.make_graph(self.nodes, name, inputs, self.outputs, self.initializers,
                                   value_info=self.value_info)
         opsets = [helper.make_opsetid("", self.opset),
                   helper.make_opsetid(contracts.NAMESPACE, contracts.DOMAIN_VERSION)]
         m = helper.make_model(graph, opset_imports=opsets, producer_name="k2trt")
         m.ir_version = ir_version
+        set_weight_prep(m, self.prep)
         return m
 
     # ---- shape --------------------------------------------------------------------------------------
@@ -205,17 +229,15 @@ class OnnxOps:
 
     # ---- FP8 --------------------------------------------------------------------------------------
     def dequant_fp8(self, w, scale_inv):
-        """Standard DequantizeLinear (opset 21, blocked along K); the 128x128 scales become exact 1-D
-        block scales by repeating each row 128x along N."""
-        n, k = w.shape
-        nb, kb = scale_inv.shape
-        s = self.unsqueeze(scale_inv, 1)  # [nb, 1, kb]
-        s = self.node("Expand", [s, self.ints([nb, 128, kb])], "float32")
-        s = self.reshape(s, [nb * 128, kb])
-        if nb * 128 != n:
-            s = self.node("Slice", [s, self.ints([0]), self.ints([n]), self.ints([0])], "float32")
-        deq = self.node("DequantizeLinear", [w, s], "float32", axis=1, block_size=128)
-        return self.cast(deq, "act")
+        """The dequantized weight as a graph input of its own, prepared once per layer when weights are bound.
+        TensorRT needs DequantizeLinear scales to be build-time constants, and a weightless graph has none:
+        so the weight enters already dequantized (as TensorRT-LLM keeps MLA's W_UK/W_UV), and the
+        preparation is recorded for the manifest."""
+        name = f"{w.name}.dequant"
+        if name not in self._prepared:
+            self.prep[name] = {"op": "dequant", "from": [w.name, scale_inv.name]}
+            self._prepared[name] = self.input(name, "act", list(w.shape))
+        return self._prepared[name]
 
     def _custom(self, contract: contracts.NodeContract, ins, out_shape, activation_quant: int):
         y = self.node(contract.op_type, ins, ins[0].dtype, domain=contracts.NAMESPACE,

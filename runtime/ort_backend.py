@@ -14,7 +14,7 @@ from onnx import TensorProto
 from k2trt.errors import K2Error, MissingDependency
 from k2trt.export.manifest import check_matches, read_manifest
 from k2trt.graphs.ops import TORCH_DTYPES
-from k2trt.runtime.weight_prep import as_graph_dtype, prepare
+from k2trt.runtime.weight_prep import graph_weights
 
 
 def _ort():
@@ -75,15 +75,7 @@ class OrtBackend:
         """The weight inputs of `kind`'s ORT graph for one layer (None: the embedding/head globals), prepared
         as the manifest says: dequantized, transposed, interleaved or cast."""
         source = self._globals if layer is None else self.weights.block_weights(layer)
-        entry = self.entries[kind]
-        out = {}
-        for name in entry["weights"]:
-            if name in entry["prep"]:
-                p = entry["prep"][name]
-                out[name] = prepare(p["op"], [source[s] for s in p["from"]], self.act_dtype)
-            else:
-                out[name] = as_graph_dtype(source[name], self.act_dtype)
-        return out
+        return graph_weights(self.entries[kind], source, self.act_dtype)
 
     def graph_path(self, kind: str) -> Path:
         return self.export_dir / self.entries[kind]["file"]

@@ -33,3 +33,17 @@ def as_graph_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if t.dtype in (torch.bfloat16, torch.float16) and t.dtype != dtype:
         return t.to(dtype)
     return t
+
+
+def graph_weights(entry: dict, source: dict, dtype: torch.dtype, device=None) -> dict[str, torch.Tensor]:
+    """One layer's weight inputs for a graph of the manifest: prepared where the entry says so, otherwise the
+    checkpoint tensor in the graph's dtype. Sources move to `device` first, so preparation runs there."""
+    move = (lambda t: t) if device is None else (lambda t: t.to(device))  # noqa: E731
+    out = {}
+    for name in entry["weights"]:
+        if name in entry["prep"]:
+            p = entry["prep"][name]
+            out[name] = prepare(p["op"], [move(source[s]) for s in p["from"]], dtype)
+        else:
+            out[name] = as_graph_dtype(move(source[name]), dtype)
+    return out

@@ -10,7 +10,7 @@ import torch
 from onnx import helper
 
 from k2trt.config import K2Config
-from k2trt.export.block_graphs import KINDS, build_block_graph
+from k2trt.export.block_graphs import KINDS, activation_io, build_block_graph
 from k2trt.export.checks import GraphCheckError, check_trt_operators
 from k2trt.export.cli import export
 from k2trt.export.manifest import read_manifest
@@ -90,12 +90,13 @@ def test_real_size_graph_weight_inputs_add_up():
     k2 = K2Config.preset("kimi-k2")
     for kind, expected in (("moe_block", 17_059_365_248), ("dense_block", 497_500_160)):
         model = build_block_graph(k2, kind, "bfloat16")
-        weights = {s.name for s in W.block_weight_specs(k2, kind)}
+        activations = {name for name, _, _ in activation_io(k2, kind, "bfloat16")[0]}
         total = 0
         for vi in model.graph.input:
-            if vi.name in weights and not vi.name.endswith("weight_scale_inv"):
+            if vi.name not in activations and not vi.name.endswith("weight_scale_inv"):
                 total += int(np.prod([d.dim_value for d in vi.type.tensor_type.shape.dim]))
         assert total == expected, kind
+        assert total == W.parameter_count(W.block_weight_specs(k2, kind))
 
 
 def test_export_writes_manifest_and_skips_up_to_date(tmp_path):
@@ -103,7 +104,7 @@ def test_export_writes_manifest_and_skips_up_to_date(tmp_path):
     m = export(TINY, tmp_path, "float32", log=lines.append)
     assert set(m["graphs"]) == {f"{form}/{k}" for form in ("trt", "ort") for k in KINDS}
     assert m["layers"] == {"embedding": [], "dense_block": [0], "moe_block": [1, 2, 3], "head": []}
-    assert m["opset"] == 21 and m["ir_version"] == 10 and m["config_fingerprint"] == TINY.fingerprint()
+    assert m["opset"] == 20 and m["ir_version"] == 10 and m["config_fingerprint"] == TINY.fingerprint()
     assert read_manifest(tmp_path)["graphs"]["trt/moe_block"]["inputs"][0]["shape"] == ["B", "T", 128]
     lines.clear()
     export(TINY, tmp_path, "float32", log=lines.append)
@@ -132,6 +133,25 @@ def test_custom_nodes_follow_their_contracts():
         assert attrs["plugin_namespace"] == contracts.NAMESPACE.encode()
         assert len(node.input) == len(c.inputs) and len(node.output) == len(c.outputs)
     assert seen == set(contracts.CONTRACTS)
+
+
+def test_operator_check_rejects_a_runtime_dequantize_scale():
+    model = build_block_graph(TINY, "head")
+    model.graph.node.append(helper.make_node("DequantizeLinear", ["lm_head.weight", "hidden_states"], ["dq"],
+                                             name="planted"))
+    with pytest.raises(GraphCheckError, match="scale to be a build-time constant"):
+        check_trt_operators(model, "trt/head")
+
+
+def test_kv_b_enters_dequantized_and_prepared():
+    model = build_block_graph(TINY, "dense_block")
+    names = {i.name for i in model.graph.input}
+    assert "self_attn.kv_b_proj.weight.dequant" in names and "self_attn.kv_b_proj.weight" not in names
+    assert not [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
+    from k2trt.export.onnx_ops import weight_prep
+
+    assert weight_prep(model) == {"self_attn.kv_b_proj.weight.dequant": {
+        "op": "dequant", "from": ["self_attn.kv_b_proj.weight", "self_attn.kv_b_proj.weight_scale_inv"]}}
 
 
 @pytest.mark.parametrize("op, domain, why", [

@@ -25,7 +25,7 @@ from k2trt.export.manifest import read_manifest
 from k2trt.graphs.ops import TORCH_DTYPES
 from k2trt.runtime.trt import engine_manifest as EM
 from k2trt.runtime.trt.profiles import check_call_shape, eval_dim, profile_index
-from k2trt.runtime.weight_prep import as_graph_dtype
+from k2trt.runtime.weight_prep import graph_weights
 
 GRAPH_TORCH_DTYPES = {**TORCH_DTYPES, "float8_e4m3fn": torch.float8_e4m3fn, "float8e4m3fn": torch.float8_e4m3fn,
                       "bool": torch.bool}
@@ -38,16 +38,18 @@ def output_shapes(entry: dict, dims: dict[str, int]) -> dict[str, tuple[int, ...
 
 
 def upload_weights(entry: dict, source: dict, act_dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
-    """The graph's weight inputs from a weight source's tensors, on the device in the graph dtypes."""
+    """The graph's weight inputs from a weight source's tensors, prepared as the manifest says, on the device in
+    the graph dtypes (moved first: casting and dequantizing on the GPU is faster for big tensors)."""
     declared = {i["name"]: i for i in entry["inputs"]}
+    needed = {s for name in entry["weights"] for s in entry["prep"].get(name, {"from": [name]})["from"]}
+    missing = sorted(needed - set(source))
+    if missing:
+        raise K2Error(f"weight {missing[0]!r} is missing from the checkpoint's tensors for {entry['kind']}")
     out = {}
-    for name in entry["weights"]:
-        if name not in source:
-            raise K2Error(f"weight {name!r} is missing from the checkpoint's tensors for {entry['kind']}")
+    for name, t in graph_weights(entry, source, act_dtype, device).items():
         want = declared[name]
-        if list(source[name].shape) != list(want["shape"]):
-            raise K2Error(f"weight {name!r}: shape {list(source[name].shape)}, the engine expects {want['shape']}")
-        t = as_graph_dtype(source[name].to(device), act_dtype)  # cast on the device: faster for big tensors
+        if list(t.shape) != list(want["shape"]):
+            raise K2Error(f"weight {name!r}: shape {list(t.shape)}, the engine expects {want['shape']}")
         if t.dtype != GRAPH_TORCH_DTYPES[want["dtype"]]:
             raise K2Error(f"weight {name!r}: {t.dtype}, the engine expects {want['dtype']}")
         out[name] = t.contiguous()

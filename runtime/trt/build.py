@@ -81,8 +81,6 @@ def _graph(export: dict, kind: str, onnx_dir: Path) -> dict:
         raise K2Error(f"{path}: missing (re-export)")
     if EM.sha256_file(path) != graph["sha256"]:
         raise K2Error(f"{path}: changed since export (sha256 differs from the manifest); re-export")
-    if graph.get("prep"):
-        raise K2Error(f"{onnx_dir}: trt/{kind} lists weight preparation; TensorRT graphs take checkpoint tensors")
     return graph
 
 
