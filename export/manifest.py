@@ -73,12 +73,36 @@ def write_manifest(out: Path, manifest: dict) -> None:
     write_json(out / "manifest.json", manifest)
 
 
+REQUIRED = ("config_fingerprint", "config", "act_dtype", "activation_quant", "layers", "graphs")
+GRAPH_REQUIRED = ("form", "kind", "file", "sha256", "inputs", "outputs", "weights", "prep")
+
+
 def read_manifest(export_dir: Path) -> dict:
     path = Path(export_dir) / "manifest.json"
     m = read_json_object(path, "run `k2trt export` first")
     if m.get("format") != FORMAT:
         raise K2Error(f"{path}: format {m.get('format')!r} is not {FORMAT!r} (re-export with this version)")
+    missing = [k for k in REQUIRED if k not in m]
+    if missing:
+        raise K2Error(f"{path}: missing {', '.join(missing)} (damaged; re-export)")
+    for key, entry in m["graphs"].items():
+        gone = [k for k in GRAPH_REQUIRED if k not in entry]
+        if gone:
+            raise K2Error(f"{path}: graph {key} lacks {', '.join(gone)} (damaged; re-export)")
     return m
+
+
+def graph_file(export_dir: Path, manifest: dict, key: str) -> Path:
+    """The file of graph `key`, checked against the manifest's hash (a damaged export fails here, clearly)."""
+    entry = manifest["graphs"].get(key)
+    if entry is None:
+        raise K2Error(f"{export_dir}: the manifest has no graph {key} (re-export)")
+    path = Path(export_dir) / entry["file"]
+    if not path.exists():
+        raise K2Error(f"{path}: missing (re-export)")
+    if sha256_file(path) != entry["sha256"]:
+        raise K2Error(f"{path}: changed since export (sha256 differs from the manifest); re-export")
+    return path
 
 
 def load_if_current(out: Path, cfg: K2Config, act_dtype: str, activation_quant: int) -> dict | None:

@@ -47,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     except K2Error as e:
         print(f"k2trt {known.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a path the user gave that cannot be read or written
+        where = f": {e.filename}" if e.filename else ""
+        print(f"k2trt {known.command}: error: {e.strerror or e}{where}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"k2trt {known.command}: interrupted", file=sys.stderr)
         return 130

@@ -12,7 +12,7 @@ import torch
 from onnx import TensorProto
 
 from k2trt.errors import K2Error, MissingDependency
-from k2trt.export.manifest import check_matches, read_manifest
+from k2trt.export.manifest import check_matches, graph_file, read_manifest
 from k2trt.graphs.ops import TORCH_DTYPES
 from k2trt.runtime.weight_prep import graph_weights
 
@@ -60,10 +60,12 @@ class OrtBackend:
             opts.intra_op_num_threads = threads
         self.sessions, self.entries = {}, {}
         for kind in ("embedding", "dense_block", "moe_block", "head"):
-            entry = self.manifest["graphs"][f"ort/{kind}"]
-            self.entries[kind] = entry
-            self.sessions[kind] = ort.InferenceSession(str(Path(export_dir) / entry["file"]), opts,
-                                                       providers=providers)
+            path = graph_file(self.export_dir, self.manifest, f"ort/{kind}")
+            self.entries[kind] = self.manifest["graphs"][f"ort/{kind}"]
+            try:
+                self.sessions[kind] = ort.InferenceSession(str(path), opts, providers=providers)
+            except Exception as e:  # ORT raises its own exception types for every kind of bad file
+                raise K2Error(f"{path}: ONNX Runtime cannot load it ({str(e).splitlines()[0]})") from None
         self.weights = weights
         self.cache_layers = cache_layers
         self.session_seconds = 0.0  # time inside ONNX Runtime's run calls (the bench's "in session" share)

@@ -199,3 +199,26 @@ def test_bench_prints_both_backends_and_their_ratio(tiny_ckpt, tiny_export, caps
     assert rc == 0 and set(out["rows"]) == {"torch reference", "onnxruntime"}
     assert set(out["ratio_runtime_over_reference"]) == {"prefill_tokens_per_s", "decode_tokens_per_s"}
     assert all(r["decode_tokens_per_s"] > 0 and r["host_ms_per_step"] >= 0 for r in out["rows"].values())
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: (d / "ort" / "head.onnx").write_bytes(b"not a graph"), "changed since export"),
+    (lambda d: (d / "ort" / "head.onnx").unlink(), "missing (re-export)"),
+    (lambda d: (d / "manifest.json").write_text('{"format": "k2trt-export/1"}'), "missing config_fingerprint"),
+    (lambda d: (d / "manifest.json").write_text("[1, 2]"), "expected a JSON object"),
+])
+def test_damaged_export_gives_one_clear_line(tiny_ckpt, tiny_export, tmp_path, capsys, damage, message):
+    import shutil
+
+    broken = tmp_path / "onnx"
+    shutil.copytree(tiny_export, broken)
+    damage(broken)
+    rc = main(["generate", "--model", str(tiny_ckpt), "--onnx", str(broken), "--prompt", "Hi"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and message in err and len(err.splitlines()) == 1
+
+
+def test_unwritable_output_path_gives_one_line(capsys):
+    rc = main(["make-tiny", "/proc/k2trt-cannot-write-here"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("k2trt make-tiny: error:") and len(err.splitlines()) == 1

@@ -18,7 +18,7 @@ from pathlib import Path
 from k2trt.atomic import atomic_write_bytes
 from k2trt.errors import K2Error
 from k2trt.export.block_graphs import KINDS
-from k2trt.export.manifest import read_manifest
+from k2trt.export.manifest import graph_file, read_manifest
 from k2trt.runtime.trt import engine_manifest as EM
 from k2trt.runtime.trt.profiles import (ProfileSpec, add_profile_arguments, graph_profiles, is_dynamic,
                                         spec_from_args)
@@ -73,15 +73,8 @@ def run(args) -> int:
 
 
 def _graph(export: dict, kind: str, onnx_dir: Path) -> dict:
-    graph = export["graphs"].get(f"trt/{kind}")
-    if graph is None:
-        raise K2Error(f"{onnx_dir}: the manifest has no trt/{kind} graph (re-export)")
-    path = onnx_dir / graph["file"]
-    if not path.exists():
-        raise K2Error(f"{path}: missing (re-export)")
-    if EM.sha256_file(path) != graph["sha256"]:
-        raise K2Error(f"{path}: changed since export (sha256 differs from the manifest); re-export")
-    return graph
+    graph_file(onnx_dir, export, f"trt/{kind}")  # present and unchanged since export
+    return export["graphs"][f"trt/{kind}"]
 
 
 def plugin_modes(graph: dict, available: dict[str, str], aot_linear: bool) -> dict[str, str]:
