@@ -26,10 +26,13 @@ def yarn_correction_range(cfg: K2Config) -> tuple[int, int]:
     return max(low, 0), min(high, dim - 1)
 
 
-@functools.lru_cache(maxsize=8)
 def inv_freq(cfg: K2Config) -> torch.Tensor:
-    """[rope/2] float32 inverse frequencies, YaRN-blended when rope_scaling is set (cached: every step asks;
-    callers must not modify the result)."""
+    """[rope/2] float32 inverse frequencies, YaRN-blended when rope_scaling is set."""
+    return _inv_freq(cfg).clone()  # a copy of the cached table: callers may modify it
+
+
+@functools.lru_cache(maxsize=8)  # every step of every generation asks
+def _inv_freq(cfg: K2Config) -> torch.Tensor:
     dim = cfg.qk_rope_head_dim
     extra = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     rs = cfg.rope_scaling

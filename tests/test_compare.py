@@ -1,6 +1,7 @@
 """`k2trt compare` on the embedded tiny checkpoint: it passes on a faithful export, the polygraphy files it saves
 re-check with the plain polygraphy CLI, and it fails — naming the block — on a perturbed weight or a wrong rope."""
 
+import json
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import torch
 
 from k2trt.checkpoint import Checkpoint
 from k2trt.cli import main
+from k2trt.files import sha256_file
 from k2trt.graphs.rope import inv_freq
 from k2trt.runtime.compare import Setup, compare, default_layers, parse_layers, prompt_ids
 
@@ -120,7 +122,8 @@ def test_wrong_rope_fails_and_names_the_blocks(ckpt, tiny_ckpt, tiny_export, tmp
 
 
 def test_cli_exit_code_and_last_line_on_a_damaged_graph(tiny_ckpt, tiny_export, tmp_path, capsys):
-    """A wrong graph on disk (the head's RMSNorm epsilon 1e-6 -> 1.0): exit 1, the block named last."""
+    """A wrong graph, exported as such (the head's RMSNorm epsilon 1e-6 -> 1.0, its hash recorded as an
+    exporter bug would): exit 1, the block named last."""
     import onnx
     from onnx import numpy_helper
 
@@ -131,6 +134,9 @@ def test_cli_exit_code_and_last_line_on_a_damaged_graph(tiny_ckpt, tiny_export, 
               and np.isclose(numpy_helper.to_array(i), ckpt_eps(tiny_ckpt))]
     eps.CopyFrom(numpy_helper.from_array(np.array(1.0, np.float32), eps.name))
     onnx.save(model, str(onnx_dir / "ort" / "head.onnx"))
+    manifest = json.loads((onnx_dir / "manifest.json").read_text())
+    manifest["graphs"]["ort/head"]["sha256"] = sha256_file(onnx_dir / "ort" / "head.onnx")
+    (onnx_dir / "manifest.json").write_text(json.dumps(manifest))
     rc = main(["compare", "--model", str(tiny_ckpt), "--onnx", str(onnx_dir), "--layers", "0,head", "--tokens", "2"])
     out = capsys.readouterr().out.strip().splitlines()
     assert rc == 1
