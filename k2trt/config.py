@@ -203,21 +203,18 @@ def _parse(raw: dict[str, Any], source: str) -> K2Config:
     if rs is None:
         kwargs["rope_scaling"] = None
     elif rs != "absent":
-        if not isinstance(rs, dict):
-            raise ConfigError(f"{source}: rope_scaling must be an object or null")
-        rs = dict(rs)
-        rtype = rs.pop("type", rs.pop("rope_type", "yarn"))
-        if rtype != "yarn":
-            raise ConfigError(f"{source}: rope_scaling type {rtype!r} is not supported (only yarn)")
-        known = {f.name for f in dataclasses.fields(RopeScaling)}
-        kwargs["rope_scaling"] = RopeScaling(type="yarn", **{k: v for k, v in rs.items() if k in known})
+        kwargs["rope_scaling"] = _parse_rope_scaling(rs, source)
 
     q = raw.get("quantization_config")
     if q is not None:
+        if not isinstance(q, dict):
+            raise ConfigError(f"{source}: quantization_config must be an object")
         if q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3":
             raise ConfigError(f"{source}: quantization_config must be fp8 e4m3, got {q.get('quant_method')!r}/{q.get('fmt')!r}")
         bs = q.get("weight_block_size", [128, 128])
-        kwargs["weight_block_size"] = tuple(int(b) for b in bs)
+        if not isinstance(bs, list) or len(bs) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) for b in bs):
+            raise ConfigError(f"{source}: quantization_config.weight_block_size must be two integers, got {bs!r}")
+        kwargs["weight_block_size"] = tuple(bs)
 
     # Types: ints stay ints, floats become floats, so a hand-edited "50000" is caught below.
     for key, value in list(kwargs.items()):
@@ -237,6 +234,31 @@ def _parse(raw: dict[str, Any], source: str) -> K2Config:
     cfg = K2Config(**kwargs)
     _validate(cfg, source)
     return cfg
+
+
+# modeling_deepseek.py's DeepseekV3YarnRotaryEmbedding defaults, for keys a rope_scaling object leaves out
+# (the attention's softmax scale also reads mscale_all_dim with default 0).
+YARN_DEFAULTS = {"original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+                 "mscale_all_dim": 0.0}
+
+
+def _parse_rope_scaling(rs, source: str) -> RopeScaling:
+    if not isinstance(rs, dict):
+        raise ConfigError(f"{source}: rope_scaling must be an object or null")
+    rtype = rs.get("type", rs.get("rope_type", "yarn"))
+    if rtype != "yarn":
+        raise ConfigError(f"{source}: rope_scaling type {rtype!r} is not supported (only yarn)")
+    if "factor" not in rs:
+        raise ConfigError(f"{source}: rope_scaling needs a factor")
+    values = {"factor": rs["factor"], **{k: rs.get(k, d) for k, d in YARN_DEFAULTS.items()}}
+    for key, v in values.items():
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise ConfigError(f"{source}: rope_scaling.{key} must be a number, got {v!r}")
+    if values["factor"] <= 0 or not float(values["original_max_position_embeddings"]).is_integer():
+        raise ConfigError(f"{source}: rope_scaling needs factor > 0 and an integer original_max_position_embeddings")
+    values["original_max_position_embeddings"] = int(values["original_max_position_embeddings"])
+    return RopeScaling(type="yarn", **{k: (v if k == "original_max_position_embeddings" else float(v))
+                                       for k, v in values.items()})
 
 
 def _validate(cfg: K2Config, source: str) -> None:

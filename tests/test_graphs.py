@@ -205,3 +205,30 @@ def test_decoding_with_cache_equals_full_forward(model):
     n = len(prompt)
     assert full[0, n - 1:-1].argmax(-1).tolist() == new  # each cached step chose what the full pass chooses
     assert rel_err(first, full[0, n - 1]) < 1e-5
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["rope_scaling"].update(factor="32"), "rope_scaling.factor must be a number"),
+    (lambda d: d["rope_scaling"].pop("factor"), "rope_scaling needs a factor"),
+    (lambda d: d.update(rope_scaling=[1]), "rope_scaling must be an object or null"),
+    (lambda d: d.update(quantization_config=[1]), "quantization_config must be an object"),
+    (lambda d: d["quantization_config"].update(weight_block_size="x"), "weight_block_size must be two integers"),
+])
+def test_bad_rope_and_quantization_config(tmp_path, edit, message):
+    d = K2.to_hf_dict()
+    edit(d)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ConfigError) as e:
+        K2Config.from_json(tmp_path)
+    assert message in str(e.value)
+
+
+def test_absent_yarn_keys_take_modeling_deepseek_defaults(tmp_path):
+    d = K2.to_hf_dict()
+    d["rope_scaling"] = {"type": "yarn", "factor": 40.0}
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    rs = K2Config.from_json(tmp_path).rope_scaling
+    assert (rs.beta_fast, rs.beta_slow, rs.mscale, rs.mscale_all_dim, rs.original_max_position_embeddings) == \
+        (32.0, 1.0, 1.0, 0.0, 4096)
+    cfg = K2Config.from_json(tmp_path)
+    assert cfg.softmax_scale == 192 ** -0.5  # mscale_all_dim 0: no mscale² on the softmax scale
