@@ -56,11 +56,18 @@ class Result:
 
 
 class Generator:
-    def __init__(self, backend, cfg: K2Config, stop_ids: tuple[int, ...] = (), max_context: int | None = None):
+    def __init__(self, backend, cfg: K2Config, stop_ids: tuple[int, ...] = (), max_context: int | None = None,
+                 prefill_chunk: int = 512):
         self.backend = backend
         self.cfg = cfg
         self.stop_ids = tuple(stop_ids)
-        self.max_context = min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        # the tightest of: the model, the caller, and what the backend was built for (TensorRT profiles)
+        limits = [cfg.max_position_embeddings, max_context, getattr(backend, "max_context", None)]
+        self.max_context = min(x for x in limits if x)
+        chunks = [prefill_chunk, getattr(backend, "max_tokens_per_step", None)]
+        self.prefill_chunk = min(x for x in chunks if x)
+        if self.prefill_chunk < 1:
+            raise K2Error(f"prefill chunk must be >= 1, got {prefill_chunk}")
 
     def check_request(self, prompts: list[list[int]], max_new_tokens: int) -> None:
         """Every error a request can have, raised before any work."""
@@ -102,9 +109,9 @@ class Generator:
         done = torch.zeros(b, dtype=torch.bool)
         timings = Timings()
         sessions_at_start = getattr(backend, "session_seconds", None)
-        filled, step_ids = 0, tokens
-        while True:
-            t0 = time.perf_counter()
+
+        def step(step_ids: torch.Tensor, filled: int) -> torch.Tensor:
+            """Run step_ids [b, t] at cache slots filled..filled+t; returns the last position's logits."""
             t = step_ids.shape[1]
             new_slots = torch.arange(filled, filled + t).expand(b, t)
             q_pos = (new_slots - pad[:, None]).clamp(min=0)
@@ -113,9 +120,16 @@ class Generator:
             key_valid = torch.cat([(slots < filled), torch.ones(b, t, dtype=torch.bool)], dim=1) & (key_pos >= 0)
             mask = attention_mask(q_pos, key_pos, key_valid).to(dev)
             cos, sin = (x.to(dev, backend.act_dtype) for x in rope_tables(cfg, q_pos))
-            logits = self._forward(step_ids.to(dev), cos, sin, mask, caches, filled, timings)
-            filled += t
-            nxt = sampler(logits[:, -1])
+            return self._forward(step_ids.to(dev), cos, sin, mask, caches, filled, timings)[:, -1]
+
+        # prefill in chunks: the mask and the scores of a step grow with t x (capacity + t)
+        t0 = time.perf_counter()
+        for start in range(0, longest, self.prefill_chunk):
+            logits = step(tokens[:, start:start + self.prefill_chunk], start)
+        filled = longest
+        timings.prefill_tokens = b * longest
+        while True:
+            nxt = sampler(logits)
             for i in range(b):
                 if done[i]:
                     continue
@@ -131,9 +145,8 @@ class Generator:
                 elif len(res.token_ids) >= max_new_tokens:
                     done[i] = True
             dt = time.perf_counter() - t0
-            if t > 1 or timings.prefill_tokens == 0:
-                timings.prefill_s += dt
-                timings.prefill_tokens += b * t
+            if timings.prefill_s == 0:
+                timings.prefill_s = dt  # the prompt's steps and the first token's choice
             else:
                 timings.decode_s += dt
                 timings.decode_steps += 1
@@ -142,7 +155,9 @@ class Generator:
                 timings.session_s = backend.session_seconds - sessions_at_start
             if bool(done.all()):
                 return results, timings
-            step_ids = nxt.view(b, 1)
+            t0 = time.perf_counter()
+            logits = step(nxt.view(b, 1), filled)
+            filled += 1
 
     def _forward(self, ids, cos, sin, mask, caches, filled, timings: Timings) -> torch.Tensor:
         backend, clock = self.backend, time.perf_counter

@@ -222,3 +222,26 @@ def test_unwritable_output_path_gives_one_line(capsys):
     rc = main(["make-tiny", "/proc/k2trt-cannot-write-here"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.startswith("k2trt make-tiny: error:") and len(err.splitlines()) == 1
+
+
+def test_chunked_prefill_gives_the_same_tokens(setup):
+    ckpt, tok, ref, gen = setup
+    prompts = [tok.encode(p) for p in PROMPTS]
+    whole, _ = Generator(gen.backend, ckpt.config, prefill_chunk=10_000).generate(prompts, 8)
+    chunked, _ = Generator(gen.backend, ckpt.config, prefill_chunk=3).generate(prompts, 8)
+    assert [r.token_ids for r in whole] == [r.token_ids for r in chunked]
+
+
+def test_backend_limits_bound_the_request(setup):
+    ckpt, _, _, gen = setup
+
+    class Limited:
+        def __init__(self, inner):
+            self.__dict__.update(name=inner.name, device=inner.device, act_dtype=inner.act_dtype,
+                                 embed=inner.embed, block=inner.block, head=inner.head)
+            self.max_context, self.max_tokens_per_step = 20, 4
+
+    g = Generator(Limited(gen.backend), ckpt.config)
+    assert (g.max_context, g.prefill_chunk) == (20, 4)
+    with pytest.raises(K2Error, match="context limit of 20"):
+        g.generate([[5] * 15], 6)

@@ -131,6 +131,9 @@ class TrtBackend:
             raise K2Error(f"{engine_dir}: no engine for {', '.join(missing)} (built with --kinds?); "
                           "build all of them to generate")
         self.spec = EM.profile_spec_of(self.manifest)
+        # what the engines' profiles allow: the generator refuses longer requests and chunks prefill to fit
+        self.max_context = self.spec.max_seq
+        self.max_tokens_per_step = self.spec.max_prefill
         self.act_dtype = TORCH_DTYPES[self.manifest["act_dtype"]]
         self.device = torch.device("cuda", device)
         torch.cuda.set_device(self.device)
