@@ -3,6 +3,9 @@ weights — everything the runtime and the engine builder need, so neither re-de
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib
 from pathlib import Path
 
 import onnx
@@ -16,6 +19,18 @@ from k2trt.export.block_graphs import IR_VERSION, KINDS, OPSET
 from k2trt.export.onnx_ops import ELEM_NAME
 
 FORMAT = "k2trt-export/1"
+
+# The modules whose code decides what the graphs contain: a change to any of them makes old graphs stale.
+GRAPH_SOURCES = ("k2trt.graphs.blocks", "k2trt.graphs.contracts", "k2trt.graphs.weights", "k2trt.export.onnx_ops",
+                 "k2trt.export.block_graphs", "k2trt.export.lower_ort", "k2trt.export.checks")
+
+
+@functools.lru_cache(maxsize=1)
+def exporter_fingerprint() -> str:
+    h = hashlib.sha256()
+    for name in GRAPH_SOURCES:
+        h.update(Path(importlib.import_module(name).__file__).read_bytes())
+    return h.hexdigest()[:16]
 DIMS = {"B": "batch", "T": "new positions this step", "P": "cache slots, read in place (masked beyond the past)",
         "P+T": "keys: the P cache slots then the T new positions"}
 
@@ -57,6 +72,7 @@ def make_manifest(cfg: K2Config, act_dtype: str, activation_quant: int, graphs: 
     return {
         "format": FORMAT,
         "exporter_version": k2trt.__version__,
+        "exporter_fingerprint": exporter_fingerprint(),
         "config_fingerprint": cfg.fingerprint(),
         "config": cfg.to_hf_dict(),
         "act_dtype": act_dtype,
@@ -106,13 +122,14 @@ def graph_file(export_dir: Path, manifest: dict, key: str) -> Path:
 
 
 def load_if_current(out: Path, cfg: K2Config, act_dtype: str, activation_quant: int) -> dict | None:
-    """The existing manifest if it was written for the same config, dtype, mode and exporter version."""
+    """The existing manifest if it was written for the same config, dtype, mode and exporter code."""
     try:
         m = read_manifest(out)
     except K2Error:
         return None
     same = (m.get("config_fingerprint") == cfg.fingerprint() and m.get("act_dtype") == act_dtype
-            and m.get("activation_quant") == activation_quant and m.get("exporter_version") == k2trt.__version__)
+            and m.get("activation_quant") == activation_quant and m.get("exporter_version") == k2trt.__version__
+            and m.get("exporter_fingerprint") == exporter_fingerprint())
     return m if same else None
 
 

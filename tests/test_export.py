@@ -205,3 +205,12 @@ def test_k2_head_dimensions_on_onnxruntime(tmp_path):
         h_ref, new_ref = ref.block(layer, x, cos, sin, mask, cache)
         h, new = ort.block(layer, x, cos, sin, mask, cache)
         assert close(h, h_ref) and close(new, new_ref), cfg.layer_kind(layer)
+
+
+def test_exporter_code_change_makes_graphs_stale(tmp_path, monkeypatch):
+    from k2trt.export import manifest as M
+
+    export(TINY, tmp_path, "float32", log=lambda *a: None)
+    assert M.load_if_current(tmp_path, TINY, "float32", 1) is not None
+    monkeypatch.setattr(M, "exporter_fingerprint", lambda: "another-exporter")
+    assert M.load_if_current(tmp_path, TINY, "float32", 1) is None
