@@ -7,7 +7,9 @@ ENGINES ?= build/engines
 # float32 graphs for ONNX Runtime on a CPU; bfloat16 for TensorRT engines (make export DTYPE=bfloat16 ONNX=build/onnx-bf16)
 DTYPE   ?= float32
 # The CPU build of torch 2.13.0; on a GPU machine use `make install EXTRAS=gpu,dev TORCH=torch`.
+# Where pip would otherwise pick a CUDA build, set TORCH_INDEX to PyTorch's CPU wheel index.
 TORCH   ?= torch==2.13.0
+TORCH_INDEX ?=
 EXTRAS  ?= cpu,dev
 
 .PHONY: install test tiny export generate chat bench engines compare gpu-check clean
@@ -17,7 +19,7 @@ install: .venv/.installed
 .venv/.installed: pyproject.toml
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip setuptools
-	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 

@@ -173,6 +173,8 @@ class Checkpoint:
             if self.weight_map.get(name) != h.shard:
                 out.append(f"{where}: tensor {name!r} is in the shard but {INDEX_NAME} does not place it there")
             spec = expected.get(name)
+            if spec is None and self._is_mtp(name, config or self.config):
+                continue  # DeepSeek-V3's multi-token-prediction layers: present, and not used for generation
             if spec is None:
                 out.append(f"{where}: unexpected tensor {name!r} (not part of this config's model)")
             elif h.dtype != spec.dtype:
@@ -185,6 +187,14 @@ class Checkpoint:
                 where = self.root / shard if shard else self.root
                 out.append(f"{where}: missing tensor {name!r}")
         return out
+
+    @staticmethod
+    def _is_mtp(name: str, cfg: K2Config) -> bool:
+        """A tensor of the num_nextn_predict_layers layers stored after the last decoder layer."""
+        if not cfg.num_nextn_predict_layers or not name.startswith("model.layers."):
+            return False
+        layer = name.split(".")[2]
+        return layer.isdigit() and cfg.num_hidden_layers <= int(layer) < cfg.num_hidden_layers + cfg.num_nextn_predict_layers
 
     def validate(self, config: K2Config | None = None) -> None:
         """Raise one CheckpointError unless every expected tensor is present with its exact shape and dtype,

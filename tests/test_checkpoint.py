@@ -262,3 +262,18 @@ def test_index_names_a_tensor_the_shard_lacks(tiny, tmp_path):
     assert NORM in msg and wrong in msg
     with pytest.raises(CheckpointError, match="header does not have it"):
         Checkpoint.open(tmp_path).tensor(NORM)
+
+
+def test_multi_token_prediction_layers_are_allowed_but_nothing_else(tmp_path):
+    """DeepSeek-V3 stores num_nextn_predict_layers extra layers after the last decoder layer."""
+    cfg = dataclasses.replace(K2Config.preset("tiny"), model_type="deepseek_v3", n_routed_experts=8,
+                              num_experts_per_tok=2, num_hidden_layers=2, num_nextn_predict_layers=1)
+    tensors = dict(synthetic_tensors(cfg, seed=4))
+    tensors["model.layers.2.eh_proj.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
+    save_file(tensors, tmp_path / "model.safetensors")
+    cfg.write_json(tmp_path / "config.json")
+    Checkpoint.open(tmp_path).validate()
+    tensors["model.layers.3.eh_proj.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="unexpected tensor 'model.layers.3.eh_proj.weight'"):
+        Checkpoint.open(tmp_path).validate()
