@@ -12,7 +12,7 @@ TORCH   ?= torch==2.13.0
 TORCH_INDEX ?=
 EXTRAS  ?= cpu,dev
 
-.PHONY: install test tiny export generate chat bench engines compare gpu-check clean
+.PHONY: install test tiny export generate chat bench bench-stream engines compare gpu-check clean
 
 install: .venv/.installed
 
@@ -43,6 +43,9 @@ chat: export
 
 bench: export
 	$(K2TRT) bench --model $(TINY) --onnx $(ONNX)
+
+bench-stream: install
+	$(PY) -m k2trt.stream_bench --gb 4
 
 engines: install
 	$(K2TRT) build --onnx $(ONNX) --out $(ENGINES)
