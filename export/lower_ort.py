@@ -28,13 +28,6 @@ from k2trt.graphs import contracts
 MS_DOMAIN = "com.microsoft"
 
 
-def _attr(node, name, default=None):
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
-
-
 def _shapes(model) -> dict[str, list]:
     model = onnx.shape_inference.infer_shapes(model)
     out = {}

@@ -12,6 +12,8 @@ import torch
 from k2trt.config import K2Config
 from k2trt.graphs import weights as W
 from k2trt.graphs.fp8 import quantize_weight
+from k2trt.runtime.tokenizer import NUM_RESERVED_SPECIAL
+from k2trt.tiny_tokenizer import SPECIAL_OFFSETS
 
 # Initialization scales, in one place to tune. Linear weights are normal with std = factor / sqrt(in_features);
 # the two linears that write into the residual stream (o_proj, down_proj) are smaller so it stays tame.
@@ -27,9 +29,8 @@ INIT = {
                               # model, reserved tokens (never seen in training) almost never win
 }
 
-# [EOS] and <|im_end|> sit at these offsets of the special block that follows the base vocabulary
-STOP_OFFSETS = (1, 2)
-NUM_SPECIAL = 256
+# [EOS] and <|im_end|>: the specials generation stops on, which keep full-size lm_head rows
+STOP_OFFSETS = tuple(o for o, name in SPECIAL_OFFSETS.items() if name in ("[EOS]", "<|im_end|>"))
 
 
 
@@ -78,7 +79,7 @@ def layer_tensors(cfg: K2Config, layer: int, g: torch.Generator, init: dict[str,
 def global_tensors(cfg: K2Config, g: torch.Generator, init: dict[str, float] = INIT) -> dict[str, torch.Tensor]:
     embed, norm, head = W.global_specs(cfg)
     lm_head = torch.randn(head.shape, generator=g) * (init["lm_head"] / math.sqrt(cfg.hidden_size))
-    first_special = cfg.vocab_size - NUM_SPECIAL
+    first_special = cfg.vocab_size - NUM_RESERVED_SPECIAL
     if first_special > 0:
         scale = torch.ones(cfg.vocab_size)
         scale[first_special:] = init["special_lm_head"]

@@ -12,7 +12,7 @@ import torch
 
 from k2trt.config import K2Config
 from k2trt.graphs import blocks
-from k2trt.graphs.fp8 import WEIGHT_DEQUANT, dequant_weight
+from k2trt.graphs.fp8 import WEIGHT_DEQUANT
 from k2trt.graphs.mask import attention_mask, simple_mask
 from k2trt.graphs.ops import TorchOps
 from k2trt.graphs.rope import rope_tables
@@ -170,12 +170,3 @@ def greedy_generate(model: ReferenceModel, prompt_ids: list[int], max_new_tokens
             break
         ids = torch.tensor([[nxt]])
     return out, first_logits
-
-
-def dequantized_layer(w: dict) -> dict:
-    """FP8 weights of one layer dequantized to float32 (for inspection and tests)."""
-    out = {}
-    for k, v in w.items():
-        if k.endswith(".weight") and v.dtype == torch.float8_e4m3fn:
-            out[k] = dequant_weight(v, w[k + "_scale_inv"])
-    return out

@@ -9,9 +9,6 @@ import torch
 
 from k2trt.graphs.fp8 import dequant_weight
 
-PREP_OPS = ("dequant_t", "dequant", "moe_fc1_interleaved")
-
-
 def prepare(op: str, sources: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     if op == "dequant_t":
         w, s = sources
