@@ -40,7 +40,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from k2trt.errors import K2Error, MissingDependency
+from k2trt.errors import K2Error
 from k2trt.runtime.generator import Generator
 from k2trt.runtime.golden import Recorder, capture
 from k2trt.runtime.polygraphy_support import ACTIVATIONS
@@ -234,14 +234,10 @@ def make_backend(name: str, setup: Setup):
     if name == "trt":
         if setup.engines is None:
             raise K2Error("--backends trt needs --engines DIR (run `k2trt build` first)")
-        try:
-            import tensorrt  # noqa: F401
-        except (ImportError, OSError) as e:
-            raise MissingDependency(f"--backends trt needs TensorRT and an NVIDIA GPU (import tensorrt: {e})") from None
-        try:
-            from k2trt.runtime.trt.backend import TrtBackend
-        except ImportError as e:
-            raise MissingDependency(f"--backends trt: the TensorRT backend is not available ({e})") from None
+        from k2trt.runtime.trt.backend import TrtBackend
+        from k2trt.runtime.trt.engine_manifest import import_tensorrt
+
+        import_tensorrt()  # one clear line when TensorRT is missing, before any engine is read
         return TrtBackend(setup.engines, weights)
     raise K2Error(f"--backends: unknown backend {name!r} (choose from ort, trt)")
 
