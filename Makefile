@@ -45,7 +45,7 @@ bench: export
 	$(K2TRT) bench --model $(TINY) --onnx $(ONNX)
 
 bench-stream: install
-	$(PY) -m k2trt.stream_bench --gb 4
+	$(PY) -m k2trt.tools.stream_bench --gb 4
 
 engines: install
 	$(K2TRT) build --onnx $(ONNX) --out $(ENGINES)
@@ -54,7 +54,7 @@ compare: export
 	$(K2TRT) compare --model $(TINY) --onnx $(ONNX)
 
 gpu-check: install
-	$(PY) -m k2trt.runtime.kernels.gpu_check --markdown build/gpu-check.md
+	$(PY) -m k2trt.tools.gpu_check --markdown build/gpu-check.md
 
 clean:
 	rm -rf build

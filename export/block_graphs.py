@@ -2,8 +2,8 @@
 
 Dynamic dims, the same name in every graph: B (batch), T (new positions), P (cache slots; "P+T" for keys).
 Weights are graph inputs named after the checkpoint suffixes (graphs/weights.py), so one graph serves every
-layer of its kind. bf16 checkpoint tensors enter in the activation dtype; FP8 weights as float8e4m3fn with
-their float32 block scales.
+layer of its kind. bf16 checkpoint tensors enter in the activation dtype; FP8 weights as float8_e4m3fn with
+their float32 block scales (graphs/weights.graph_dtype).
 """
 
 from __future__ import annotations
@@ -18,27 +18,34 @@ OPSET = 20  # the newest opset onnx-tensorrt documents for TensorRT 10.0 (9-20);
 IR_VERSION = 10  # onnxruntime rejects onnx 1.23's default IR 14
 
 
-def graph_dtype(spec: W.TensorSpec, act_dtype: str) -> str:
-    """The element type a weight enters the graph with."""
-    return act_dtype if spec.dtype == W.BF16 else spec.dtype
-
-
 def weight_inputs(ops: OnnxOps, cfg: K2Config, kind: str) -> dict:
-    return {s.name: ops.input(s.name, graph_dtype(s, ops.act_dtype), list(s.shape))
+    return {s.name: ops.input(s.name, W.graph_dtype(s.dtype, ops.act_dtype), list(s.shape))
             for s in W.graph_weight_specs(cfg, kind)}
+
+
+# Each kind's activation inputs and outputs, in the order of the Backend interface (runtime/backend.py).
+ACTIVATIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "embedding": (("input_ids",), ("hidden_states",)),
+    "dense_block": (("hidden_states", "rope_cos", "rope_sin", "attention_mask", "latent_cache"),
+                    ("hidden_states_out", "latent_new")),
+    "moe_block": (("hidden_states", "rope_cos", "rope_sin", "attention_mask", "latent_cache"),
+                  ("hidden_states_out", "latent_new")),
+    "head": (("hidden_states",), ("logits",)),
+}
 
 
 def activation_io(cfg: K2Config, kind: str, act: str) -> tuple[list, list]:
     """(inputs, outputs) of a kind as (name, dtype, shape) — everything but the weights."""
     d, lat, half = cfg.hidden_size, cfg.latent_dim, cfg.qk_rope_head_dim // 2
-    hidden = ("hidden_states", act, ["B", "T", d])
-    if kind == "embedding":
-        return [("input_ids", "int64", ["B", "T"])], [hidden]
-    if kind == "head":
-        return [hidden], [("logits", "float32", ["B", "T", cfg.vocab_size])]
-    return ([hidden, ("rope_cos", act, ["B", "T", half]), ("rope_sin", act, ["B", "T", half]),
-             ("attention_mask", "float32", ["B", "T", "P+T"]), ("latent_cache", act, ["B", "P", lat])],
-            [("hidden_states_out", act, ["B", "T", d]), ("latent_new", act, ["B", "T", lat])])
+    types = {
+        "input_ids": ("int64", ["B", "T"]), "hidden_states": (act, ["B", "T", d]),
+        "rope_cos": (act, ["B", "T", half]), "rope_sin": (act, ["B", "T", half]),
+        "attention_mask": ("float32", ["B", "T", "P+T"]), "latent_cache": (act, ["B", "P", lat]),
+        "hidden_states_out": (act, ["B", "T", d]), "latent_new": (act, ["B", "T", lat]),
+        "logits": ("float32", ["B", "T", cfg.vocab_size]),
+    }
+    ins, outs = ACTIVATIONS[kind]
+    return [(n, *types[n]) for n in ins], [(n, *types[n]) for n in outs]
 
 
 def build_block_graph(cfg: K2Config, kind: str, act_dtype: str = "float32", activation_quant: int = 1):

@@ -9,23 +9,24 @@ normalize_routing_weights=1; the op then weighs expert e by w_e / Σw, and the o
 (ORT's MoE runs fp32/fp16 on CPU and has no FP8 kernel there, hence the dequantized weights: this path
 computes in the W8A16 convention.)
 
-`prep` in the returned table tells the runtime how to make each new input from checkpoint tensors
-(runtime/weights.py applies it).
+The preparations come from the registry in graphs/weight_prep.py; the returned table says, for each new input,
+which one and from which graph inputs, and the runtime applies it (runtime/graph_weights.py).
 """
 
 from __future__ import annotations
 
 import copy
 
+import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-import numpy as np
-
-from k2trt.export.onnx_ops import set_weight_prep, weight_prep
+from k2trt.export.onnx_ops import elem, set_weight_prep, weight_prep
 from k2trt.graphs import contracts
+from k2trt.graphs.weight_prep import DEQUANT, DEQUANT_T, MOE_FC1_INTERLEAVED, Preparation
 
 MS_DOMAIN = "com.microsoft"
+NOT_CHOSEN = -1e9  # router_probs of the experts the graph did not choose: exp() of it is 0
 
 
 def _shapes(model) -> dict[str, list]:
@@ -37,106 +38,111 @@ def _shapes(model) -> dict[str, list]:
     return out
 
 
-def lower_for_ort(model: onnx.ModelProto, act_elem: int = TensorProto.FLOAT):
+class _Lowering:
+    """The rewrite of one graph: new nodes in order, prepared weight inputs, and constants."""
+
+    def __init__(self, model: onnx.ModelProto, act_dtype: str):
+        self.model = copy.deepcopy(model)
+        self.act_elem = elem(act_dtype)
+        self.shapes = _shapes(self.model)
+        self.prep: dict[str, dict] = weight_prep(model)  # the graph's own preparations (kv_b dequantized)
+        self.nodes: list[onnx.NodeProto] = []
+        self.new_inputs: dict[str, onnx.ValueInfoProto] = {}
+        self.consts: list[onnx.TensorProto] = []
+        self._count = 0
+
+    # ---- plumbing ------------------------------------------------------------------------------------
+    def fresh(self, hint: str) -> str:
+        self._count += 1
+        return f"ort_{hint}_{self._count}"
+
+    def const(self, values, dtype=np.int64) -> str:
+        name = self.fresh("const")
+        self.consts.append(numpy_helper.from_array(np.asarray(values, dtype), name))
+        return name
+
+    def emit(self, op: str, inputs: list[str], hint: str | None = None, outputs: list[str] | None = None,
+             **attrs) -> str:
+        outs = outputs or [self.fresh(hint or op.lower())]
+        self.nodes.append(helper.make_node(op, inputs, outs, **attrs))
+        return outs[0]
+
+    def to_act(self, name: str) -> str:
+        """A float32 value in the activation dtype (a Cast only where they differ)."""
+        return name if self.act_elem == TensorProto.FLOAT else self.emit("Cast", [name], "act", to=self.act_elem)
+
+    def prepared(self, name: str, prep: Preparation, sources: list[str]) -> str:
+        if name not in self.new_inputs:
+            self.prep[name], shape = prep.record(sources, [self.shapes[s] for s in sources])
+            self.new_inputs[name] = helper.make_tensor_value_info(name, self.act_elem, list(shape))
+        return name
+
+    # ---- the custom nodes ----------------------------------------------------------------------------
+    def linear(self, node: onnx.NodeProto) -> None:
+        x, w, s = node.input
+        wt = self.prepared(f"{w}.{DEQUANT_T.name}", DEQUANT_T, [w, s])
+        self.nodes.append(helper.make_node("MatMul", [x, wt], list(node.output), name=node.name))
+
+    def moe(self, node: onnx.NodeProto) -> None:
+        x, ids, wts, gw, gs, uw, us, dw, ds = node.input
+        e, _, d = self.shapes[gw]
+        k = self.shapes[ids][-1]
+        fc1 = self.prepared("mlp.experts.gate_up_proj.weight.dequant_interleaved", MOE_FC1_INTERLEAVED,
+                            [gw, gs, uw, us])
+        fc2 = self.prepared(f"{dw}.{DEQUANT.name}", DEQUANT, [dw, ds])
+        x2 = self.emit("Reshape", [x, self.const([-1, d])], "x2d")
+        w2 = self.emit("Reshape", [wts, self.const([-1, k])], "w2d")
+        probs = self.router_probs(x2, ids, w2, e, k)
+        y2 = self.emit("MoE", [x2, probs, fc1, "", fc2], "moe", domain=MS_DOMAIN, name=node.name, k=int(k),
+                       activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
+                       normalize_routing_weights=1)
+        # the op weighs by w / Σw: multiply Σw back, then restore x's shape
+        wsum = self.to_act(self.emit("ReduceSum", [w2, self.const([-1])], "wsum", keepdims=1))
+        scaled = self.emit("Mul", [y2, wsum], "moe_scaled")
+        self.emit("Reshape", [scaled, self.emit("Shape", [x], "shape_of")], outputs=list(node.output))
+
+    def router_probs(self, x2: str, ids: str, w2: str, num_experts: int, k: int) -> str:
+        """[tokens, E]: log(w) on the graph's chosen experts, NOT_CHOSEN elsewhere, in the activation dtype."""
+        ids64 = self.emit("Cast", [self.emit("Reshape", [ids, self.const([-1, k])], "ids")], "ids64",
+                          to=TensorProto.INT64)
+        logw = self.emit("Log", [w2], "logw")
+        n_tok = self.emit("Shape", [x2], "ntok", start=0, end=1)
+        shape = self.emit("Concat", [n_tok, self.const([num_experts])], "pshape", axis=0)
+        floor = self.emit("ConstantOfShape", [shape], "floor",
+                          value=numpy_helper.from_array(np.array([NOT_CHOSEN], np.float32)))
+        return self.to_act(self.emit("ScatterElements", [floor, ids64, logw], "router_probs", axis=1))
+
+    # ---- the whole graph -----------------------------------------------------------------------------
+    def run(self) -> onnx.ModelProto:
+        for node in self.model.graph.node:
+            if node.domain == contracts.NAMESPACE and node.op_type == contracts.FP8_BLOCK_LINEAR.op_type:
+                self.linear(node)
+            elif node.domain == contracts.NAMESPACE and node.op_type == contracts.MOE_FP8.op_type:
+                self.moe(node)
+            else:
+                self.nodes.append(node)
+        return self.finish()
+
+    def finish(self) -> onnx.ModelProto:
+        m, g = self.model, self.model.graph
+        used = {i for n in self.nodes for i in n.input}
+        kept = [i for i in g.input if i.name in used]
+        del g.input[:]
+        g.input.extend(kept + list(self.new_inputs.values()))
+        del g.node[:]
+        g.node.extend(self.nodes)
+        g.initializer.extend(self.consts)
+        # the custom nodes' annotations stay valid (same outputs); drop our domain, add com.microsoft
+        opsets = [o for o in m.opset_import if o.domain != contracts.NAMESPACE]
+        if any(n.domain == MS_DOMAIN for n in self.nodes):
+            opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
+        del m.opset_import[:]
+        m.opset_import.extend(opsets)
+        set_weight_prep(m, self.prep)
+        return m
+
+
+def lower_for_ort(model: onnx.ModelProto, act_dtype: str = "float32") -> tuple[onnx.ModelProto, dict]:
     """-> (lowered model, prep table {new input name: {"op": ..., "from": [graph input names]}})."""
-    m = copy.deepcopy(model)
-    g = m.graph
-    shapes = _shapes(m)
-    inputs = {i.name: i for i in g.input}
-    prep: dict[str, dict] = weight_prep(model)  # preparations the graph already has (e.g. kv_b dequantized)
-    new_nodes, new_inputs, consts = [], {}, []
-    counter = [0]
-
-    def fresh(h):
-        counter[0] += 1
-        return f"ort_{h}_{counter[0]}"
-
-    def const(arr, hint):
-        name = fresh(hint)
-        consts.append(numpy_helper.from_array(np.asarray(arr), name))
-        return name
-
-    def add_input(name, shape, op, sources):
-        if name not in new_inputs:
-            new_inputs[name] = helper.make_tensor_value_info(name, act_elem, shape)
-            prep[name] = {"op": op, "from": sources}
-        return name
-
-    for node in g.node:
-        if node.domain == contracts.NAMESPACE and node.op_type == contracts.FP8_BLOCK_LINEAR.op_type:
-            x, w, s = node.input
-            n, k = shapes[w]
-            wt = add_input(f"{w}.dequant_t", [k, n], "dequant_t", [w, s])
-            new_nodes.append(helper.make_node("MatMul", [x, wt], list(node.output), name=node.name))
-        elif node.domain == contracts.NAMESPACE and node.op_type == contracts.MOE_FP8.op_type:
-            x, ids, wts, gw, gs, uw, us, dw, ds = node.input
-            e, inter, d = shapes[gw]
-            k = shapes[ids][-1]
-            fc1 = add_input("mlp.experts.gate_up_proj.weight.dequant_interleaved", [e, 2 * inter, d],
-                            "moe_fc1_interleaved", [gw, gs, uw, us])
-            fc2 = add_input("mlp.experts.down_proj.weight.dequant", [e, d, inter], "dequant", [dw, ds])
-            # flatten tokens; build router_probs from the choice already made
-            x2 = fresh("x2d")
-            new_nodes.append(helper.make_node("Reshape", [x, const(np.array([-1, d], np.int64), "shape")], [x2]))
-            ids2 = fresh("ids")
-            ids64 = fresh("ids64")
-            new_nodes.append(helper.make_node("Reshape", [ids, const(np.array([-1, k], np.int64), "shape")], [ids2]))
-            new_nodes.append(helper.make_node("Cast", [ids2], [ids64], to=TensorProto.INT64))
-            w2 = fresh("w2d")
-            new_nodes.append(helper.make_node("Reshape", [wts, const(np.array([-1, k], np.int64), "shape")], [w2]))
-            logw = fresh("logw")
-            new_nodes.append(helper.make_node("Log", [w2], [logw]))
-            n_tok = fresh("ntok")
-            new_nodes.append(helper.make_node("Shape", [x2], [n_tok], start=0, end=1))
-            probs_shape = fresh("pshape")
-            new_nodes.append(helper.make_node("Concat", [n_tok, const(np.array([e], np.int64), "e")], [probs_shape],
-                                              axis=0))
-            floor = fresh("floor")
-            new_nodes.append(helper.make_node("ConstantOfShape", [probs_shape], [floor],
-                                              value=numpy_helper.from_array(np.array([-1e9], np.float32))))
-            probs = fresh("router_probs")
-            new_nodes.append(helper.make_node("ScatterElements", [floor, ids64, logw], [probs], axis=1))
-            if act_elem != TensorProto.FLOAT:
-                probs_c = fresh("router_probs_act")
-                new_nodes.append(helper.make_node("Cast", [probs], [probs_c], to=act_elem))
-                probs = probs_c
-            y2 = fresh("moe")
-            new_nodes.append(helper.make_node(
-                "MoE", [x2, probs, fc1, "", fc2], [y2], domain=MS_DOMAIN, name=node.name,
-                k=int(k), activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
-                normalize_routing_weights=1))
-            wsum = fresh("wsum")
-            new_nodes.append(helper.make_node("ReduceSum", [w2, const(np.array([-1], np.int64), "axes")], [wsum],
-                                              keepdims=1))
-            if act_elem != TensorProto.FLOAT:
-                wsum_c = fresh("wsum_act")
-                new_nodes.append(helper.make_node("Cast", [wsum], [wsum_c], to=act_elem))
-                wsum = wsum_c
-            y2s = fresh("moe_scaled")
-            new_nodes.append(helper.make_node("Mul", [y2, wsum], [y2s]))
-            new_nodes.append(helper.make_node("Reshape", [y2s, fresh_shape_of(x, new_nodes, fresh)],
-                                              list(node.output)))
-        else:
-            new_nodes.append(node)
-
-    used = {i for n in new_nodes for i in n.input}
-    kept = [i for name, i in inputs.items() if name in used]
-    del g.input[:]
-    g.input.extend(kept + list(new_inputs.values()))
-    del g.node[:]
-    g.node.extend(new_nodes)
-    g.initializer.extend(consts)
-    # the custom nodes' annotations stay valid (same outputs); drop our domain, add com.microsoft
-    opsets = [o for o in m.opset_import if o.domain != contracts.NAMESPACE]
-    if any(n.domain == MS_DOMAIN for n in new_nodes):
-        opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
-    del m.opset_import[:]
-    m.opset_import.extend(opsets)
-    set_weight_prep(m, prep)
-    return m, prep
-
-
-def fresh_shape_of(x: str, nodes: list, fresh) -> str:
-    name = fresh("shape_of")
-    nodes.append(helper.make_node("Shape", [x], [name]))
-    return name
+    lowered = _Lowering(model, act_dtype).run()
+    return lowered, weight_prep(lowered)

@@ -16,13 +16,14 @@ from k2trt.files import read_json_object, sha256_file, write_json
 from k2trt.config import K2Config
 from k2trt.errors import K2Error
 from k2trt.export.block_graphs import IR_VERSION, KINDS, OPSET
-from k2trt.export.onnx_ops import ELEM_NAME
+from k2trt.dtypes import BY_ONNX
 
 FORMAT = "k2trt-export/1"
 
 # The modules whose code decides what the graphs contain: a change to any of them makes old graphs stale.
-GRAPH_SOURCES = ("k2trt.graphs.blocks", "k2trt.graphs.contracts", "k2trt.graphs.weights", "k2trt.export.onnx_ops",
-                 "k2trt.export.block_graphs", "k2trt.export.lower_ort", "k2trt.export.checks")
+GRAPH_SOURCES = ("k2trt.dtypes", "k2trt.graphs.blocks", "k2trt.graphs.contracts", "k2trt.graphs.weights",
+                 "k2trt.graphs.weight_prep", "k2trt.export.onnx_ops", "k2trt.export.block_graphs",
+                 "k2trt.export.lower_ort", "k2trt.export.checks", "k2trt.export.exporter")
 
 
 @functools.lru_cache(maxsize=1)
@@ -31,6 +32,8 @@ def exporter_fingerprint() -> str:
     for name in GRAPH_SOURCES:
         h.update(Path(importlib.import_module(name).__file__).read_bytes())
     return h.hexdigest()[:16]
+
+
 DIMS = {"B": "batch", "T": "new positions this step", "P": "cache slots, read in place (masked beyond the past)",
         "P+T": "keys: the P cache slots then the T new positions"}
 
@@ -40,7 +43,7 @@ def _io(values) -> list[dict]:
     for vi in values:
         tt = vi.type.tensor_type
         shape = [d.dim_param if d.dim_param else d.dim_value for d in tt.shape.dim]
-        out.append({"name": vi.name, "dtype": ELEM_NAME[tt.elem_type], "shape": shape})
+        out.append({"name": vi.name, "dtype": BY_ONNX[tt.elem_type].name, "shape": shape})
     return out
 
 
@@ -57,6 +60,7 @@ def write_graph(out: Path, key: str, kind: str, form: str, model: onnx.ModelProt
         "kind": kind,
         "file": f"{key}.onnx",
         "sha256": sha256_file(path),
+        "nodes": len(model.graph.node),
         "activation_quant": activation_quant,
         "inputs": inputs,
         "outputs": _io(model.graph.output),

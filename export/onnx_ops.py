@@ -13,16 +13,16 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from k2trt.dtypes import dtype as dtype_info
 from k2trt.graphs import contracts
+from k2trt.graphs.weight_prep import DEQUANT
 
-ELEM = {
-    "float32": TensorProto.FLOAT, "bfloat16": TensorProto.BFLOAT16, "float16": TensorProto.FLOAT16,
-    "int32": TensorProto.INT32, "int64": TensorProto.INT64, "float8_e4m3fn": TensorProto.FLOAT8E4M3FN,
-    "float8e4m3fn": TensorProto.FLOAT8E4M3FN, "bool": TensorProto.BOOL,
-}
-ELEM_NAME = {v: k for k, v in ELEM.items() if k != "float8e4m3fn"}
-NP_SCALAR = {"float32": np.float32, "float16": np.float16, "int32": np.int32, "int64": np.int64}
 INT64_MAX = np.iinfo(np.int64).max
+
+
+def elem(dtype: str) -> int:
+    """The ONNX element type of one of our dtype names."""
+    return dtype_info(dtype).onnx
 
 
 PREP_KEY = "k2trt.weight_prep"
@@ -102,12 +102,12 @@ class OnnxOps:
 
     def input(self, name: str, dtype: str, shape: list) -> Sym:
         dtype = self._resolve(dtype)
-        self.inputs.append(helper.make_tensor_value_info(name, ELEM[dtype], shape))
+        self.inputs.append(helper.make_tensor_value_info(name, elem(dtype), shape))
         return Sym(self, name, dtype, list(shape))
 
     def output(self, sym: Sym, name: str, shape: list) -> None:
         self.nodes.append(helper.make_node("Identity", [sym.name], [name], name=f"out_{name}"))
-        self.outputs.append(helper.make_tensor_value_info(name, ELEM[sym.dtype], shape))
+        self.outputs.append(helper.make_tensor_value_info(name, elem(sym.dtype), shape))
 
     def node(self, op: str, ins: list, out_dtype, n_out: int = 1, domain: str = "", **attrs):
         names = [i.name if isinstance(i, Sym) else i for i in ins]
@@ -119,7 +119,7 @@ class OnnxOps:
 
     def const(self, value, dtype: str) -> Sym:
         dtype = self._resolve(dtype)
-        arr = np.asarray(value, dtype=NP_SCALAR.get(dtype, np.float32))
+        arr = np.asarray(value, dtype=dtype_info(dtype).numpy or np.float32)  # bf16 goes through float32
         key = (dtype, arr.shape, arr.tobytes())
         if key not in self._consts:
             name = self._fresh("const")
@@ -139,7 +139,7 @@ class OnnxOps:
 
     def annotate(self, sym: Sym, shape: list) -> Sym:
         """Record the type and shape of a custom node's output, so shape inference continues past it."""
-        self.value_info.append(helper.make_tensor_value_info(sym.name, ELEM[sym.dtype], shape))
+        self.value_info.append(helper.make_tensor_value_info(sym.name, elem(sym.dtype), shape))
         sym.shape = shape
         return sym
 
@@ -184,7 +184,7 @@ class OnnxOps:
         dtype = self._resolve(dtype)
         if x.dtype == dtype:
             return x
-        return self.node("Cast", [x], dtype, to=ELEM[dtype])
+        return self.node("Cast", [x], dtype, to=elem(dtype))
 
     def rsqrt(self, x):
         return self.node("Reciprocal", [self.node("Sqrt", [x], x.dtype)], x.dtype)
@@ -233,10 +233,10 @@ class OnnxOps:
         TensorRT needs DequantizeLinear scales to be build-time constants, and a weightless graph has none:
         so the weight enters already dequantized (as TensorRT-LLM keeps MLA's W_UK/W_UV), and the
         preparation is recorded for the manifest."""
-        name = f"{w.name}.dequant"
+        name = f"{w.name}.{DEQUANT.name}"
         if name not in self._prepared:
-            self.prep[name] = {"op": "dequant", "from": [w.name, scale_inv.name]}
-            self._prepared[name] = self.input(name, "act", list(w.shape))
+            self.prep[name], shape = DEQUANT.record([w.name, scale_inv.name], [w.shape, scale_inv.shape])
+            self._prepared[name] = self.input(name, "act", list(shape))
         return self._prepared[name]
 
     def _custom(self, contract: contracts.NodeContract, ins, out_shape, activation_quant: int):

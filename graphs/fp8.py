@@ -14,13 +14,18 @@ from __future__ import annotations
 
 import torch
 
-BLOCK = 128
+BLOCK = 128  # the FP8 weight block (weight_block_size; config.py accepts only [128, 128]) and activation group
 FP8_MAX = 448.0
 ACT_SCALE_FLOOR = 1e-4
 
 # activation_quant attribute values of the FP8 nodes
 WEIGHT_DEQUANT = 0  # W8A16
 PER_TOKEN_GROUP = 1  # W8A8, 1x128 activation groups
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of integers (block counts: partial edge blocks count as one)."""
+    return -(-a // b)
 
 
 def expand_block_scales(scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -39,7 +44,7 @@ def dequant_weight(weight: torch.Tensor, scale_inv: torch.Tensor, dtype=torch.fl
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 [.., N, K] -> (fp8 weight, fp32 block scales [.., ceil(N/128), ceil(K/128)]), amax/448 per block."""
     n, k = w.shape[-2:]
-    nb, kb = -(-n // BLOCK), -(-k // BLOCK)
+    nb, kb = cdiv(n, BLOCK), cdiv(k, BLOCK)
     pad = torch.zeros(*w.shape[:-2], nb * BLOCK, kb * BLOCK, dtype=torch.float32)
     pad[..., :n, :k] = w.float()
     blocks = pad.unflatten(-2, (nb, BLOCK)).unflatten(-1, (kb, BLOCK))  # [.., nb, 128, kb, 128]

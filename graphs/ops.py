@@ -13,19 +13,17 @@ import torch
 import torch.nn.functional as F
 
 import k2trt.graphs.custom_ops  # noqa: F401  (registers torch.ops.k2trt.*)
+from k2trt.dtypes import torch_dtype
 from k2trt.graphs.fp8 import dequant_weight
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                "int32": torch.int32, "int64": torch.int64}
 
 
 class TorchOps:
     def __init__(self, act_dtype: str = "float32"):
         self.act_dtype = act_dtype
-        self.act = TORCH_DTYPES[act_dtype]
+        self.act = torch_dtype(act_dtype)
 
     def _dtype(self, name: str) -> torch.dtype:
-        return self.act if name == "act" else TORCH_DTYPES[name]
+        return self.act if name == "act" else torch_dtype(name)
 
     # ---- shape -----------------------------------------------------------------------------------
     def reshape(self, x, shape):

@@ -16,18 +16,20 @@ from k2trt.graphs.fp8 import WEIGHT_DEQUANT
 from k2trt.graphs.mask import attention_mask, simple_mask
 from k2trt.graphs.ops import TorchOps
 from k2trt.graphs.rope import rope_tables
+from k2trt.graphs.weights import as_graph_input
 
 
 def to_compute(w: dict, act: torch.dtype) -> dict:
-    """bf16 checkpoint tensors -> the activation dtype; FP8 weights and fp32 scales/bias stay as they are."""
-    return {k: (v.to(act) if v.dtype in (torch.bfloat16, torch.float16) else v) for k, v in w.items()}
+    """Checkpoint tensors in the dtypes the graphs take them in (bf16 -> the activation dtype)."""
+    return {k: as_graph_input(v, act) for k, v in w.items()}
 
 
 class ReferenceModel:
     """embed / block / head on torch tensors: the same interface the runtime's backends expose.
 
-    `weights` is anything with `.config`, `.block_weights(layer)` (graph input name -> tensor, experts stacked)
-    and `.globals()` (full name -> tensor): a Checkpoint, or random weights in tests.
+    `weights` is a weight source (runtime/backend.WeightSource): a Checkpoint, or random weights in tests. Each
+    layer's weights are read on first use; the embedding and head weights too, so a model that runs only some
+    layers (a pipeline stage) reads only those.
     """
 
     def __init__(self, weights, act_dtype: str = "float32", activation_quant: int = WEIGHT_DEQUANT,
@@ -38,7 +40,13 @@ class ReferenceModel:
         self.activation_quant = activation_quant
         self._cache_weights = cache_weights
         self._layer_w: dict[int, dict] = {}
-        self._globals = to_compute(weights.globals(), self.ops.act)
+        self._global_w: dict | None = None
+
+    @property
+    def _globals(self) -> dict:
+        if self._global_w is None:
+            self._global_w = to_compute(self.weights.globals(), self.ops.act)
+        return self._global_w
 
     def layer_weights(self, layer: int) -> dict:
         if layer in self._layer_w:

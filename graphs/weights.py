@@ -7,21 +7,15 @@ Per-layer names are suffixes after `model.layers.N.`; globals are full names.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
+
+import torch
 
 from k2trt.config import K2Config
+from k2trt.dtypes import BF16, F32, FP8, torch_dtype
+from k2trt.graphs.fp8 import BLOCK, cdiv
 
-FP8 = "float8_e4m3fn"
-BF16 = "bfloat16"
-F32 = "float32"
-
-BLOCK = 128  # FP8 weight block (weight_block_size)
-
-GLOBAL_NAMES = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)
@@ -144,6 +138,35 @@ def stacked_source_names(stacked_name: str, n_experts: int) -> list[str]:
     """The per-expert checkpoint suffixes that one stacked graph weight is made of."""
     rest = stacked_name[len("mlp.experts."):]
     return [f"mlp.experts.{e}.{rest}" for e in range(n_experts)]
+
+
+def assemble_block_weights(cfg: K2Config, layer: int, fill: Callable[[str, torch.Tensor], None]
+                           ) -> dict[str, torch.Tensor]:
+    """The weight inputs of one layer's block graph, in spec order, each routed-expert projection stacked along
+    a new leading expert axis. `fill(suffix, out)` writes the checkpoint tensor `suffix` (the name after
+    `model.layers.N.`) into `out`, an empty tensor of that tensor's shape and dtype: the one place experts are
+    stacked, whether they come from a file (read straight into their slice) or from memory."""
+    out = {}
+    for spec in block_weight_specs(cfg, cfg.layer_kind(layer)):
+        t = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype))
+        if spec.name.startswith("mlp.experts."):
+            for e, src in enumerate(stacked_source_names(spec.name, cfg.n_routed_experts)):
+                fill(src, t[e])
+        else:
+            fill(spec.name, t)
+        out[spec.name] = t
+    return out
+
+
+def graph_dtype(dtype: str, act_dtype: str) -> str:
+    """The element type a checkpoint tensor of `dtype` has as a graph input: 16-bit float tensors (norms,
+    embeddings, router, lm_head) take the activation dtype; FP8 weights and float32 scales and bias keep theirs."""
+    return act_dtype if dtype in (BF16, "float16") else dtype
+
+
+def as_graph_input(t: torch.Tensor, act: torch.dtype) -> torch.Tensor:
+    """A checkpoint tensor in the dtype graph_dtype gives it (no copy where it already has it)."""
+    return t.to(act) if t.dtype in (torch.bfloat16, torch.float16) else t
 
 
 def block_weight_specs(cfg: K2Config, kind: str) -> list[TensorSpec]:

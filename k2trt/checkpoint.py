@@ -13,14 +13,9 @@ from typing import NamedTuple
 import torch
 
 from k2trt.config import K2Config
+from k2trt.dtypes import name_of
 from k2trt.files import read_json_object
-from k2trt.graphs.weights import (
-    TensorSpec,
-    block_weight_specs,
-    checkpoint_specs,
-    layer_prefix,
-    stacked_source_names,
-)
+from k2trt.graphs.weights import TensorSpec, assemble_block_weights, checkpoint_specs, layer_prefix
 from k2trt.safetensors_io import CheckpointError, SafetensorsFile
 
 __all__ = ["Checkpoint", "CheckpointError", "HeaderSpec", "INDEX_NAME", "SINGLE_NAME"]
@@ -121,22 +116,15 @@ class Checkpoint:
 
     def block_weights(self, i: int) -> dict[str, torch.Tensor]:
         """The weight inputs of layer i's block graph, in block_weight_specs order, routed experts stacked
-        to [E, ...]. Copies (one layer at a time) and checks each tensor against the config."""
-        cfg = self.config
+        to [E, ...]. Copies (one layer at a time, each tensor read straight into its place) and checks each
+        tensor against the config."""
         prefix = layer_prefix(i)
-        out: dict[str, torch.Tensor] = {}
-        for spec in block_weight_specs(cfg, cfg.layer_kind(i)):
-            t = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype))
-            if spec.name.startswith("mlp.experts."):
-                sources = stacked_source_names(spec.name, cfg.n_routed_experts)
-                for e, src in enumerate(sources):
-                    self._check(prefix + src, spec.shape[1:], spec.dtype)
-                    self.read(prefix + src, t[e])
-            else:
-                self._check(prefix + spec.name, spec.shape, spec.dtype)
-                self.read(prefix + spec.name, t)
-            out[spec.name] = t
-        return out
+
+        def fill(suffix: str, out: torch.Tensor) -> None:
+            self._check(prefix + suffix, tuple(out.shape), name_of(out.dtype))
+            self.read(prefix + suffix, out)
+
+        return assemble_block_weights(self.config, i, fill)
 
     def _check(self, name: str, shape: tuple[int, ...], dtype: str) -> None:
         info = self._file_for(name).info(name)

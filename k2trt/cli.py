@@ -11,14 +11,15 @@ from k2trt.errors import K2Error
 
 # subcommand -> (module, one-line help). Each module has add_arguments(parser) and run(args) -> int.
 COMMANDS = {
-    "make-tiny": ("k2trt.tiny", "write the embedded tiny K2 checkpoint (K2's exact on-disk format)"),
-    "inspect": ("k2trt.inspect_cmd", "parameter table of a checkpoint or preset, cross-checked against headers"),
+    "make-tiny": ("k2trt.tools.tiny", "write the embedded tiny K2 checkpoint (K2's exact on-disk format)"),
+    "inspect": ("k2trt.tools.inspect_checkpoint",
+                "parameter table of a checkpoint or preset, cross-checked against headers"),
     "export": ("k2trt.export.cli", "export per-block ONNX graphs (TensorRT-bound and ONNX Runtime forms)"),
     "build": ("k2trt.runtime.trt.build", "build TensorRT engines from the exported graphs (needs TensorRT + GPU)"),
     "generate": ("k2trt.runtime.cli", "generate text through the exported graphs or engines"),
     "chat": ("k2trt.runtime.chat", "interactive chat with history"),
-    "bench": ("k2trt.runtime.bench", "prefill/decode tokens/s of the runtime against the torch reference"),
-    "compare": ("k2trt.runtime.compare", "accuracy of each backend against the torch reference, via polygraphy"),
+    "bench": ("k2trt.tools.bench", "prefill/decode tokens/s of the runtime against the torch reference"),
+    "compare": ("k2trt.tools.compare.cli", "accuracy of each backend against the torch reference, via polygraphy"),
 }
 
 

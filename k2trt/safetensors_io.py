@@ -18,34 +18,13 @@ from typing import Mapping
 import numpy as np
 import torch
 
+from k2trt.dtypes import BY_SAFETENSORS
 from k2trt.errors import K2Error
 
 
 class CheckpointError(K2Error):
     """A checkpoint that is missing, truncated, corrupt or does not match the config."""
 
-
-# safetensors dtype -> (torch dtype, bytes per element). Names are those of the official format.
-DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    "BOOL": (torch.bool, 1),
-    "U8": (torch.uint8, 1),
-    "I8": (torch.int8, 1),
-    "F8_E4M3": (torch.float8_e4m3fn, 1),
-    "F8_E5M2": (torch.float8_e5m2, 1),
-    "I16": (torch.int16, 2),
-    "U16": (torch.uint16, 2),
-    "F16": (torch.float16, 2),
-    "BF16": (torch.bfloat16, 2),
-    "I32": (torch.int32, 4),
-    "U32": (torch.uint32, 4),
-    "F32": (torch.float32, 4),
-    "I64": (torch.int64, 8),
-    "U64": (torch.uint64, 8),
-    "F64": (torch.float64, 8),
-}
-
-# The dtype names weights.py uses ("float8_e4m3fn", "bfloat16", ...), keyed by safetensors dtype.
-DTYPE_NAMES = {k: str(v[0]).removeprefix("torch.") for k, v in DTYPES.items()}
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the official library's limit
 
@@ -62,11 +41,12 @@ class TensorInfo:
 
     @property
     def dtype_name(self) -> str:
-        return DTYPE_NAMES[self.dtype]
+        """Our (torch's) spelling, as the weight table uses it."""
+        return BY_SAFETENSORS[self.dtype].name
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype][0]
+        return BY_SAFETENSORS[self.dtype].torch
 
     @property
     def nbytes(self) -> int:
@@ -194,7 +174,7 @@ def _parse_entry(path: Path, name: str, entry: object, data_size: int) -> Tensor
     if not isinstance(entry, dict):
         raise bad("header entry is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in BY_SAFETENSORS:
         raise bad(f"unknown dtype {dtype!r}")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise bad(f"shape must be a list of non-negative integers, got {shape!r}")
@@ -204,7 +184,7 @@ def _parse_entry(path: Path, name: str, entry: object, data_size: int) -> Tensor
     numel = 1
     for d in shape:
         numel *= d
-    need = numel * DTYPES[dtype][1]
+    need = numel * BY_SAFETENSORS[dtype].itemsize
     begin, end = offsets
     if end - begin != need:
         raise bad(f"data_offsets {offsets} span {end - begin} bytes but {dtype} {shape} needs {need}")

@@ -1,22 +1,67 @@
-"""The interface every backend implements — ONNX Runtime, TensorRT and the torch reference — so one runtime
-(runtime/generator.py) chains embedding -> blocks -> head for all of them.
+"""The two contracts of the runtime: what every backend is (ONNX Runtime, TensorRT, the torch reference), and what
+every backend reads its weights from. The runtime (runtime/executor.py) and the tools rely on these and on nothing
+else: no attribute is probed, no backend is recognised by its name.
 
-All tensors are torch tensors on the backend's device; `latent_cache` is a view of the runtime's
-preallocated per-layer cache [B, capacity, kv_lora + rope], passed in place (never copied), and the runtime
-writes the returned `latent_new` into it.
+All tensors are torch tensors on the backend's device. `latent_cache` is a slot range of the runtime's per-layer
+cache [B, P, kv_lora + rope], passed in place (never copied); the runtime writes the returned `latent_new` into it.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Callable, Iterable, Protocol
 
+import onnx
 import torch
+
+from k2trt.config import K2Config
+
+
+class WeightSource(Protocol):
+    """Where a backend's weights come from: a Checkpoint (k2trt/checkpoint.py), or seeded random weights in tests
+    (k2trt/tools/synthetic.py). Tensors come back on the CPU in their checkpoint dtypes."""
+
+    config: K2Config
+
+    def globals(self) -> dict[str, torch.Tensor]:
+        """The tensors outside the layers, by full name: model.embed_tokens.weight, model.norm.weight,
+        lm_head.weight."""
+
+    def block_weights(self, layer: int) -> dict[str, torch.Tensor]:
+        """One layer's block-graph weight inputs (checkpoint suffixes, routed experts stacked [E, ...] by
+        graphs/weights.assemble_block_weights), in graphs/weights.block_weight_specs order."""
+
+
+@dataclass(frozen=True)
+class BackendLimits:
+    """What a backend was built for; None = no limit beyond the model's. The generator refuses requests outside
+    them before any work and chunks prefill to fit."""
+
+    max_context: int | None = None  # most positions one sequence may hold (TensorRT: --max-seq)
+    max_tokens_per_step: int | None = None  # most new positions in one call (TensorRT: --max-prefill)
+    max_batch: int | None = None  # most sequences in one call (TensorRT: --max-batch)
+
+
+# progress(done, total, what): called while a backend binds weights (loading the real model takes minutes)
+Progress = Callable[[int, int, str], None]
 
 
 class Backend(Protocol):
-    name: str
+    name: str  # shown in tables and summaries
     device: torch.device
     act_dtype: torch.dtype
+    activation_quant: int  # the FP8 convention it computes in: graphs/fp8.WEIGHT_DEQUANT or PER_TOKEN_GROUP
+    limits: BackendLimits
+    weights: WeightSource
+
+    def prepare(self, layers: Iterable[int] | None = None, *, embedding: bool = True, head: bool = True,
+                progress: Progress | None = None) -> None:
+        """Bind (prepare, upload) weights now, so that no step pays for it: the given layers (default: all), and
+        the embedding's and head's weights unless told not to. Anything not prepared is bound on first use."""
+
+    def session_seconds(self) -> float | None:
+        """Seconds spent so far inside the inference engine's own run calls, or None where the backend cannot
+        tell them from its host work (the timings then count whole backend calls)."""
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [B, T] int64 -> hidden [B, T, d]."""
@@ -28,3 +73,42 @@ class Backend(Protocol):
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, T, d] -> logits [B, T, V] float32."""
+
+    def standalone_onnx(self, kind: str, layer: int | None) -> onnx.ModelProto | None:
+        """The graph this backend runs for one block kind, with that layer's prepared weights stored in it, so
+        that ONNX Runtime runs it without k2trt (polygraphy's own runners, `k2trt compare`); None where the
+        backend does not run ONNX graphs on ONNX Runtime. layer is None for the embedding and the head."""
+
+
+def prepare_order(layers: Iterable[int] | None, num_layers: int, embedding: bool, head: bool) -> list:
+    """What Backend.prepare binds, in order: "embedding", the layer indices, "head"."""
+    chosen = list(range(num_layers) if layers is None else layers)
+    return (["embedding"] if embedding else []) + chosen + (["head"] if head else [])
+
+
+class BackendWrapper:
+    """A backend that forwards every part of the contract to another: subclass it to watch or change one call
+    (the compare tool's recorder, fault injection in tests)."""
+
+    def __init__(self, inner: Backend):
+        self.inner = inner
+        self.name, self.device, self.act_dtype = inner.name, inner.device, inner.act_dtype
+        self.activation_quant, self.limits, self.weights = inner.activation_quant, inner.limits, inner.weights
+
+    def prepare(self, layers=None, *, embedding: bool = True, head: bool = True, progress=None) -> None:
+        self.inner.prepare(layers, embedding=embedding, head=head, progress=progress)
+
+    def session_seconds(self) -> float | None:
+        return self.inner.session_seconds()
+
+    def embed(self, input_ids):
+        return self.inner.embed(input_ids)
+
+    def block(self, layer, hidden, rope_cos, rope_sin, mask, latent_cache):
+        return self.inner.block(layer, hidden, rope_cos, rope_sin, mask, latent_cache)
+
+    def head(self, hidden):
+        return self.inner.head(hidden)
+
+    def standalone_onnx(self, kind, layer):
+        return self.inner.standalone_onnx(kind, layer)

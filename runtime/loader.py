@@ -1,33 +1,28 @@
-"""From command-line choices to a ready (backend, tokenizer, generator): the one place that decides which
-backend serves a request and checks that the checkpoint, graphs and engines belong together."""
+"""From command-line choices to a ready checkpoint, tokenizer and backend: the one place that checks that they
+belong together. The backend itself comes from the factory (runtime/backends.py)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from k2trt.errors import K2Error
-
-BACKENDS = ("ort", "trt", "torch")
+from k2trt.runtime.backend import Backend
+from k2trt.runtime.backends import BackendChoice, add_backend_arguments, choice_from_args, open_backend
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, required=True, help="checkpoint directory (weights, config, tokenizer)")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--onnx", type=Path, help="export directory (k2trt export) for the ONNX Runtime backend")
-    src.add_argument("--engines", type=Path, help="engine directory (k2trt build) for the TensorRT backend")
-    p.add_argument("--backend", choices=BACKENDS,
-                   help="default: trt with --engines, ort with --onnx, else the torch reference")
-    p.add_argument("--providers", default="CPUExecutionProvider",
-                   help="ONNX Runtime providers, comma-separated (e.g. CUDAExecutionProvider,CPUExecutionProvider)")
+    add_backend_arguments(p)
     p.add_argument("--max-context", type=int, default=None,
                    help="refuse prompts + new tokens longer than this (default: the model's maximum)")
 
 
 @dataclass
 class Loaded:
-    backend: object
+    backend: Backend
     tokenizer: object
     checkpoint: object
 
@@ -36,39 +31,36 @@ class Loaded:
         return self.checkpoint.config
 
 
-def choose_backend(args) -> str:
-    name = args.backend or ("trt" if args.engines else "ort" if args.onnx else "torch")
-    if name == "ort" and not args.onnx:
-        raise K2Error("--backend ort needs --onnx DIR (run `k2trt export` first)")
-    if name == "trt" and not args.engines:
-        raise K2Error("--backend trt needs --engines DIR (run `k2trt build` first)")
-    return name
-
-
-def load(args) -> Loaded:
+def open_model(model_dir: Path):
+    """The checkpoint and its tokenizer, checked against each other."""
     from k2trt.checkpoint import Checkpoint
     from k2trt.runtime.tokenizer import KimiTokenizer
 
-    name = choose_backend(args)
-    ckpt = Checkpoint.open(args.model)
-    tok = KimiTokenizer.from_dir(args.model)
+    ckpt = Checkpoint.open(model_dir)
+    tok = KimiTokenizer.from_dir(model_dir)
     if tok.vocab_size != ckpt.config.vocab_size:
-        raise K2Error(f"{args.model}: tokenizer has {tok.vocab_size} ids but config.json says vocab_size "
+        raise K2Error(f"{model_dir}: tokenizer has {tok.vocab_size} ids but config.json says vocab_size "
                       f"{ckpt.config.vocab_size}")
-    if name == "ort":
-        from k2trt.runtime.ort_backend import OrtBackend
+    return ckpt, tok
 
-        backend = OrtBackend(args.onnx, ckpt, providers=args.providers.split(","))
-    elif name == "trt":
-        from k2trt.runtime.trt.backend import TrtBackend
 
-        backend = TrtBackend(args.engines, ckpt)
-    else:
-        from k2trt.runtime.torch_backend import TorchBackend
+def progress_line(prefix: str, stream=sys.stderr):
+    """A Backend.prepare progress callback that rewrites one line on a terminal (and says nothing elsewhere)."""
+    if not stream.isatty():
+        return None
 
-        backend = TorchBackend(ckpt)
-    if getattr(args, "prepare_weights", True) and hasattr(backend, "prepare_all"):
-        backend.prepare_all()  # weights bound once, before any step is timed
+    def show(done: int, total: int, what: str) -> None:
+        stream.write(f"\r{prefix}: binding weights {done}/{total} ({what})\033[K" + ("\n" if done == total else ""))
+        stream.flush()
+
+    return show
+
+
+def load(args, choice: BackendChoice | None = None) -> Loaded:
+    choice = choice or choice_from_args(args)
+    ckpt, tok = open_model(args.model)
+    backend = open_backend(choice, ckpt)
+    backend.prepare(progress=progress_line(f"k2trt {getattr(args, 'command', 'generate')}"))
     return Loaded(backend, tok, ckpt)
 
 

@@ -1,21 +1,27 @@
-"""The ONNX Runtime backend: the lowered graphs of an export directory, one session per block kind,
-each layer's weights prepared once and kept as OrtValues. CPUExecutionProvider by default; CUDA when
-onnxruntime-gpu and a GPU are present and asked for."""
+"""The ONNX Runtime backend: the lowered graphs of an export directory, one session per block kind, each layer's
+weights prepared once and bound in an IOBinding. CPUExecutionProvider by default; CUDA when onnxruntime-gpu and a
+GPU are present and asked for."""
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
+import onnx
 import torch
 from onnx import TensorProto
 
+from k2trt.dtypes import torch_dtype
 from k2trt.errors import K2Error, MissingDependency
 from k2trt.export.manifest import check_matches, graph_file, read_manifest
-from k2trt.graphs.ops import TORCH_DTYPES
-from k2trt.runtime.weight_prep import graph_weights
+from k2trt.graphs.fp8 import WEIGHT_DEQUANT
+from k2trt.runtime.backend import BackendLimits, Progress, WeightSource, prepare_order
+from k2trt.runtime.graph_weights import graph_weights
+
+KINDS = ("embedding", "dense_block", "moe_block", "head")
 
 
 def _ort():
@@ -35,10 +41,33 @@ def ort_value(t: torch.Tensor):
     return ort.OrtValue.ortvalue_from_numpy(t.numpy())
 
 
+def bind_weights(model: onnx.ModelProto, tensors: dict[str, torch.Tensor]) -> onnx.ModelProto:
+    """A copy of `model` whose inputs named in `tensors` are initializers holding those values, stored as the
+    input's declared element type (float8 as its bytes)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    graph = out.graph
+    declared = {i.name: i.type.tensor_type.elem_type for i in graph.input}
+    missing = sorted(set(tensors) - set(declared))
+    if missing:
+        raise KeyError(f"graph {graph.name!r} has no inputs {missing}")
+    for name, t in tensors.items():
+        raw = t.contiguous().view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t.contiguous()
+        graph.initializer.append(onnx.TensorProto(name=name, data_type=declared[name], dims=list(t.shape),
+                                                  raw_data=raw.numpy().tobytes()))
+    keep = [i for i in graph.input if i.name not in tensors]
+    del graph.input[:]
+    graph.input.extend(keep)
+    return out
+
+
 class OrtBackend:
     name = "ort"
+    device = torch.device("cpu")
+    activation_quant = WEIGHT_DEQUANT  # the lowered graphs compute with dequantized weights
+    limits = BackendLimits()
 
-    def __init__(self, export_dir: str | Path, weights, providers: list[str] | None = None,
+    def __init__(self, export_dir: str | Path, weights: WeightSource, providers: list[str] | None = None,
                  cache_layers: bool = True, threads: int | None = None):
         ort = _ort()
         self.export_dir = Path(export_dir)
@@ -49,8 +78,7 @@ class OrtBackend:
         if act != "float32" and (providers is None or providers == ["CPUExecutionProvider"]):
             raise K2Error(f"{export_dir}: graphs are {act}; ONNX Runtime on CPU needs float32 graphs "
                           f"(re-export with --dtype float32)")
-        self.act_dtype = TORCH_DTYPES[act]
-        self.device = torch.device("cpu")
+        self.act_dtype = torch_dtype(act)
         providers = providers or ["CPUExecutionProvider"]
         missing = [p for p in providers if p not in ort.get_available_providers()]
         if missing:
@@ -60,7 +88,7 @@ class OrtBackend:
         if threads:
             opts.intra_op_num_threads = threads
         self.sessions, self.entries = {}, {}
-        for kind in ("embedding", "dense_block", "moe_block", "head"):
+        for kind in KINDS:
             path = graph_file(self.export_dir, self.manifest, f"ort/{kind}")
             self.entries[kind] = self.manifest["graphs"][f"ort/{kind}"]
             try:
@@ -69,20 +97,22 @@ class OrtBackend:
                 raise K2Error(f"{path}: ONNX Runtime cannot load it ({str(e).splitlines()[0]})") from None
         self.weights = weights
         self.cache_layers = cache_layers
-        self.session_seconds = 0.0  # time inside ONNX Runtime's run calls (the bench's "in session" share)
+        self._session_s = 0.0
         self._values: OrderedDict = OrderedDict()  # id(tensor) -> (tensor, OrtValue), see _value_of
         self._bound: dict = {}
-        self._globals = weights.globals()
+        self._globals: dict | None = None
 
     # ---- weights ------------------------------------------------------------------------------------
-    def prepared_weights(self, kind: str, layer: int | None = None) -> dict[str, torch.Tensor]:
+    def _prepared_weights(self, kind: str, layer: int | None) -> dict[str, torch.Tensor]:
         """The weight inputs of `kind`'s ORT graph for one layer (None: the embedding/head globals), prepared
         as the manifest says: dequantized, transposed, interleaved or cast."""
-        source = self._globals if layer is None else self.weights.block_weights(layer)
+        if layer is None:
+            if self._globals is None:
+                self._globals = self.weights.globals()
+            source = self._globals
+        else:
+            source = self.weights.block_weights(layer)
         return graph_weights(self.entries[kind], source, self.act_dtype)
-
-    def graph_path(self, kind: str) -> Path:
-        return self.export_dir / self.entries[kind]["file"]
 
     def _layer(self, key, kind: str, layer: int | None):
         """An IOBinding of `kind`'s session with this layer's weights bound once: each call then binds only
@@ -90,7 +120,7 @@ class OrtBackend:
         if key in self._bound:
             return self._bound[key]
         io = self.sessions[kind].io_binding()
-        weights = {name: ort_value(t) for name, t in self.prepared_weights(kind, layer).items()}
+        weights = {name: ort_value(t) for name, t in self._prepared_weights(kind, layer).items()}
         for name, value in weights.items():
             io.bind_ortvalue_input(name, value)
         bound = (io, weights, [o["name"] for o in self.entries[kind]["outputs"]])  # weights outlive the binding
@@ -98,10 +128,29 @@ class OrtBackend:
             self._bound[key] = bound
         return bound
 
+    def prepare(self, layers: Iterable[int] | None = None, *, embedding: bool = True, head: bool = True,
+                progress: Progress | None = None) -> None:
+        order = prepare_order(layers, self.cfg.num_hidden_layers, embedding, head)
+        for i, item in enumerate(order, 1):
+            if isinstance(item, int):
+                self._layer(item, self.cfg.layer_kind(item), item)
+            else:
+                self._layer(item, item, None)
+            if progress:
+                progress(i, len(order), f"layer {item}" if isinstance(item, int) else item)
+
+    def standalone_onnx(self, kind: str, layer: int | None) -> onnx.ModelProto:
+        model = onnx.load(str(self.export_dir / self.entries[kind]["file"]))
+        return bind_weights(model, self._prepared_weights(kind, layer))
+
+    def session_seconds(self) -> float:
+        return self._session_s
+
+    # ---- running ------------------------------------------------------------------------------------
     def _value_of(self, t: torch.Tensor):
         """The OrtValue of an activation tensor, reused while the same tensor comes back: a step's rope tables
-        and mask feed every block, and each layer's cache tensor is the same every step. The memo holds the
-        tensor, so a live entry's memory cannot be reused by another tensor."""
+        and mask feed every block. The memo holds the tensor, so a live entry's memory cannot be reused by
+        another tensor."""
         hit = self._values.get(id(t))
         if hit is not None and hit[0] is t:
             self._values.move_to_end(id(t))
@@ -121,29 +170,19 @@ class OrtBackend:
             io.bind_output(name, "cpu")
         t0 = time.perf_counter()
         self.sessions[kind].run_with_iobinding(io)
-        self.session_seconds += time.perf_counter() - t0
+        self._session_s += time.perf_counter() - t0
         # OrtValue.numpy() views memory the OrtValue owns without keeping it alive: copy before it is freed
         return [torch.from_numpy(np.array(o.numpy(), copy=True)) for o in io.get_outputs()]
 
-    def prepare_all(self) -> None:
-        """Bind every layer's weights now, so no step pays for it."""
-        self._layer("embedding", "embedding", None)
-        self._layer("head", "head", None)
-        for layer in range(self.cfg.num_hidden_layers):
-            self._layer(layer, self.cfg.layer_kind(layer), layer)
-
-    # ---- the Backend interface ----------------------------------------------------------------------
     def embed(self, input_ids):
-        w = self._layer("embedding", "embedding", None)
-        return self._run("embedding", {"input_ids": input_ids}, w)[0]
+        return self._run("embedding", {"input_ids": input_ids}, self._layer("embedding", "embedding", None))[0]
 
     def block(self, layer, hidden, rope_cos, rope_sin, mask, latent_cache):
         kind = self.cfg.layer_kind(layer)
-        w = self._layer(layer, kind, layer)
         h, new = self._run(kind, {"hidden_states": hidden, "rope_cos": rope_cos, "rope_sin": rope_sin,
-                                  "attention_mask": mask, "latent_cache": latent_cache}, w)
+                                  "attention_mask": mask, "latent_cache": latent_cache},
+                           self._layer(layer, kind, layer))
         return h, new
 
     def head(self, hidden):
-        w = self._layer("head", "head", None)
-        return self._run("head", {"hidden_states": hidden}, w)[0]
+        return self._run("head", {"hidden_states": hidden}, self._layer("head", "head", None))[0]

@@ -1,15 +1,19 @@
 """Token choice from logits: greedy, temperature, top-k, top-p, seeded.
 
-Sampling draws one uniform number per sequence per step and inverts the CDF, so two backends whose logits
+Each sequence has its own Sampler and random stream, seeded by its request: its tokens do not depend on what else
+is in the batch. Sampling draws one uniform number per step and inverts the CDF, so two backends whose logits
 agree to within rounding pick the same token for the same seed."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from k2trt.errors import K2Error
+
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit value
 
 
 @dataclass(frozen=True)
@@ -20,12 +24,19 @@ class SamplingParams:
     seed: int | None = None
 
     def validate(self) -> None:
-        if self.temperature < 0:
-            raise K2Error(f"--temperature must be >= 0, got {self.temperature}")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            raise K2Error(f"--temperature must be >= 0 and finite, got {self.temperature}")
         if self.top_k < 0:
             raise K2Error(f"--top-k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise K2Error(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise K2Error(f"--seed must be in 0..{MAX_SEED}, got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
 
 class Sampler:
@@ -35,10 +46,10 @@ class Sampler:
         self.gen = torch.Generator().manual_seed(params.seed if params.seed is not None else 0)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [B, V] float32 -> token ids [B] int64."""
+        """logits [B, V] -> token ids [B] int64, one uniform draw per row, rows in order."""
         p = self.params
         logits = logits.float().cpu()
-        if p.temperature == 0:
+        if p.greedy:
             return logits.argmax(dim=-1)
         logits = logits / p.temperature
         if p.top_k:

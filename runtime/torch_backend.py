@@ -2,20 +2,35 @@
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 
 from k2trt.graphs.fp8 import WEIGHT_DEQUANT
 from k2trt.graphs.reference import ReferenceModel
+from k2trt.runtime.backend import BackendLimits, Progress, WeightSource, prepare_order
 
 
 class TorchBackend(ReferenceModel):
     name = "torch"
     device = torch.device("cpu")  # the reference computes on the CPU, in float32 by default
+    limits = BackendLimits()
 
-    def __init__(self, weights, act_dtype: str = "float32", activation_quant: int = WEIGHT_DEQUANT):
+    def __init__(self, weights: WeightSource, act_dtype: str = "float32", activation_quant: int = WEIGHT_DEQUANT):
         super().__init__(weights, act_dtype, activation_quant)
         self.act_dtype = self.ops.act
 
-    def prepare_all(self) -> None:
-        for layer in range(self.cfg.num_hidden_layers):
+    def prepare(self, layers: Iterable[int] | None = None, *, embedding: bool = True, head: bool = True,
+                progress: Progress | None = None) -> None:
+        # the embedding and head weights are read when the model is made
+        order = [i for i in prepare_order(layers, self.cfg.num_hidden_layers, False, False)]
+        for i, layer in enumerate(order, 1):
             self.layer_weights(layer)
+            if progress:
+                progress(i, len(order), f"layer {layer}")
+
+    def session_seconds(self) -> None:
+        return None  # eager torch: the backend calls are the computation
+
+    def standalone_onnx(self, kind: str, layer: int | None) -> None:
+        return None

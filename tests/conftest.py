@@ -22,7 +22,7 @@ def tiny_ckpt(tmp_path_factory):
 def tiny_export(tiny_ckpt, tmp_path_factory):
     """The tiny checkpoint's graphs (float32), exported once per session."""
     from k2trt.config import K2Config
-    from k2trt.export.cli import export
+    from k2trt.export.exporter import export
 
     out = tmp_path_factory.mktemp("tiny-onnx")
     export(K2Config.from_json(tiny_ckpt), out, "float32", log=lambda *a: None)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from k2trt.stream_bench import MB, measure, streaming_config
+from k2trt.tools.stream_bench import MB, measure, streaming_config
 
 
 @pytest.mark.slow

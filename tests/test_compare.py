@@ -15,7 +15,8 @@ from k2trt.checkpoint import Checkpoint
 from k2trt.cli import main
 from k2trt.files import sha256_file
 from k2trt.graphs.rope import inv_freq
-from k2trt.runtime.compare import Setup, compare, default_layers, parse_layers, prompt_ids
+from k2trt.tools.compare.compare import Setup, compare
+from k2trt.tools.compare.selection import default_layers, parse_layers, prompt_ids
 
 POLYGRAPHY = Path(sys.executable).with_name("polygraphy")
 
@@ -168,7 +169,7 @@ def test_backend_runner_matches_the_golden(passing, ckpt, tiny_export):
     from polygraphy.json import load_json
 
     from k2trt.runtime.ort_backend import OrtBackend
-    from k2trt.runtime.polygraphy_support import BackendRunner, quiet
+    from k2trt.tools.compare.polygraphy_support import BackendRunner, quiet
 
     save, _ = passing
     if not (save / "moe_block_1" / "inputs.json").exists():

@@ -12,11 +12,11 @@ from onnx import helper
 from k2trt.config import K2Config
 from k2trt.export.block_graphs import KINDS, activation_io, build_block_graph
 from k2trt.export.checks import GraphCheckError, check_trt_operators
-from k2trt.export.cli import export
+from k2trt.export.exporter import export
 from k2trt.export.manifest import read_manifest
 from k2trt.graphs import contracts
 from k2trt.graphs import weights as W
-from k2trt.graphs.init import RandomWeights
+from k2trt.tools.synthetic import RandomWeights
 from k2trt.graphs.mask import attention_mask
 from k2trt.graphs.reference import ReferenceModel
 from k2trt.graphs.rope import rope_tables

@@ -9,7 +9,7 @@ import pytest
 from fixtures import clone, rewrite_header, shard_of, tiny_checkpoint
 from k2trt import cli
 from k2trt.config import K2Config
-from k2trt.inspect_cmd import parameter_rows
+from k2trt.tools.inspect_checkpoint import parameter_rows
 from k2trt.safetensors_io import load_file, save_file
 
 

@@ -21,7 +21,7 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 
 from k2trt.graphs import fp8 as ref  # noqa: E402
 from k2trt.graphs.moe_ref import moe_fp8_reference  # noqa: E402
-from k2trt.runtime.kernels import gpu_check  # noqa: E402
+from k2trt.tools import gpu_check  # noqa: E402
 from k2trt.runtime.kernels.fp8_linear import LinearConfig, fp8_block_linear, quantize_activation  # noqa: E402
 from k2trt.runtime.kernels.moe import (MoeConfig, align_capacity, moe_align, moe_combine, moe_config,  # noqa: E402
                                        moe_down, moe_fp8, moe_gate_up)
@@ -328,7 +328,7 @@ def test_kernels_compile_for_sm90():
     except ImportError as e:
         pytest.skip(f"triton has no CUDA backend here: {e}")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-m", "k2trt.runtime.kernels.gpu_check", "--compile-only"],
+    r = subprocess.run([sys.executable, "-m", "k2trt.tools.gpu_check", "--compile-only"],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count(" ok") >= 20, r.stdout

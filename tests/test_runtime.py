@@ -10,6 +10,7 @@ import torch
 from k2trt.checkpoint import Checkpoint
 from k2trt.cli import main
 from k2trt.graphs.reference import ReferenceModel, greedy_generate
+from k2trt.runtime.backend import BackendLimits, BackendWrapper
 from k2trt.runtime.cli import StreamPrinter
 from k2trt.runtime.generator import Generator
 from k2trt.runtime.ort_backend import OrtBackend
@@ -54,14 +55,9 @@ def test_first_step_logits_within_tolerance(setup):
     _, first = greedy_generate(ref, ids, 1)
     seen = {}
 
-    class Spy:
-        def __init__(self, backend):
-            self.b = backend
-            self.name, self.device, self.act_dtype = backend.name, backend.device, backend.act_dtype
-            self.embed, self.block = backend.embed, backend.block
-
+    class Spy(BackendWrapper):
         def head(self, h):
-            seen.setdefault("logits", self.b.head(h))
+            seen.setdefault("logits", self.inner.head(h))
             return seen["logits"]
 
     Generator(Spy(gen.backend), ckpt.config).generate([ids], 1)
@@ -235,11 +231,10 @@ def test_chunked_prefill_gives_the_same_tokens(setup):
 def test_backend_limits_bound_the_request(setup):
     ckpt, _, _, gen = setup
 
-    class Limited:
+    class Limited(BackendWrapper):
         def __init__(self, inner):
-            self.__dict__.update(name=inner.name, device=inner.device, act_dtype=inner.act_dtype,
-                                 embed=inner.embed, block=inner.block, head=inner.head)
-            self.max_context, self.max_tokens_per_step = 20, 4
+            super().__init__(inner)
+            self.limits = BackendLimits(max_context=20, max_tokens_per_step=4)
 
     g = Generator(Limited(gen.backend), ckpt.config)
     assert (g.max_context, g.prefill_chunk) == (20, 4)

@@ -23,7 +23,7 @@ from k2trt.config import K2Config
 from k2trt.errors import K2Error, MissingDependency
 from k2trt.export import manifest as export_manifest
 from k2trt.export.block_graphs import build_block_graph
-from k2trt.export.onnx_ops import ELEM
+from k2trt.export.onnx_ops import elem as onnx_elem
 from k2trt.graphs import contracts
 from k2trt.graphs.fp8 import fp8_block_linear as reference_linear
 from k2trt.graphs.fp8 import quantize_weight
@@ -73,7 +73,7 @@ def test_profiles_have_exact_ranges_for_every_dynamic_input():
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """The tiny config's graphs as `k2trt export --dtype bfloat16` writes them (graphs only, ~1 s)."""
-    from k2trt.export.cli import export
+    from k2trt.export.exporter import export
 
     out = tmp_path_factory.mktemp("export") / "onnx"
     export(TINY, out, "bfloat16", 1, log=lambda *a, **k: None)
@@ -267,10 +267,10 @@ def test_exported_nodes_match_the_plugins(kind, act):
         io_types = []
         for port, value in zip(spec.inputs + spec.outputs, list(node.input) + list(node.output)):
             elem = types[value].tensor_type.elem_type
-            assert elem in {ELEM[d] for d in port.dtypes}, (node.name, port.name)
+            assert elem in {onnx_elem(d) for d in port.dtypes}, (node.name, port.name)
             if port.follows_activation:
-                assert elem == ELEM[act], (node.name, port.name)
-            io_types.append(P.AUTOTUNE_TYPE[act if port.follows_activation else port.dtypes[0]])
+                assert elem == onnx_elem(act), (node.name, port.name)
+            io_types.append(P.autotune_type(act if port.follows_activation else port.dtypes[0]))
         assert ",".join(io_types) in spec.type_combinations()
         # the output shape rule agrees with the exporter's annotation wherever a dim is static
         rule = spec.output_shape([_dims(types[v]) for v in node.input])
@@ -291,12 +291,13 @@ def test_aot_attribute_is_added_only_to_aot_plugins(tmp_path):
 
 def test_cuda_array_interface_for_types_tensorrt_refuses():
     iface = P.cuda_array_interface(1234, (2, 3), (3, 1), "bfloat16")
-    assert iface == {"shape": (2, 3), "typestr": "<i2", "data": (1234, False), "version": 3, "strides": (6, 2)}
-    assert P.cuda_array_interface(8, (4,), None, "float8e4m3fn")["typestr"] == "|u1"
-    for dtype, (torch_name, _, size) in P.TORCH_VIEW.items():
-        assert getattr(torch, torch_name).itemsize == size
-        assert P.CONTRACT_DTYPE[{"float32": "FLOAT", "bfloat16": "BF16", "float16": "HALF",
-                                 "float8e4m3fn": "FP8", "int32": "INT32"}[dtype]] == dtype
+    assert iface == {"shape": (2, 3), "typestr": "<u2", "data": (1234, False), "version": 3, "strides": (6, 2)}
+    assert P.cuda_array_interface(8, (4,), None, "float8_e4m3fn")["typestr"] == "|u1"
+    import numpy as np
+
+    for port in (p for c in contracts.CONTRACTS.values() for p in c.inputs + c.outputs):
+        for dtype in port.dtypes:  # every type a plugin sees travels with its own item size
+            assert np.dtype(P.interface_typestr(dtype)).itemsize == getattr(torch, dtype).itemsize
 
 
 # ---- the AOT linear kernel ---------------------------------------------------------------------------------------
@@ -463,7 +464,7 @@ def test_plugins_and_backend_without_tensorrt(tmp_path):
 # ---- backend pieces that need no GPU ---------------------------------------------------------------------------
 
 def test_output_shapes_and_weight_upload(exported):
-    from k2trt.graphs.init import RandomWeights
+    from k2trt.tools.synthetic import RandomWeights
     from k2trt.runtime.trt.backend import OutputArena, output_shapes, upload_weights
 
     entry = export_manifest.read_manifest(exported)["graphs"]["trt/moe_block"]
@@ -551,7 +552,9 @@ class _Dim(int):
 
 def test_register_plugins_wires_every_function(monkeypatch):
     fake = _FakeTrtp()
-    monkeypatch.setattr(EM, "import_tensorrt_plugin", lambda: (None, fake))
+    from k2trt.runtime.trt import environment
+
+    monkeypatch.setattr(environment, "import_tensorrt_plugin", lambda: (None, fake))
     monkeypatch.setattr(P, "_REGISTERED", set())
     trt_module = argparse.Namespace(plugin=fake)
     monkeypatch.setitem(sys.modules, "tensorrt", trt_module)
@@ -573,7 +576,7 @@ def test_register_plugins_wires_every_function(monkeypatch):
     s = fake.TensorDesc([4, 2], argparse.Namespace(name="FLOAT"))
     assert P.fp8_block_linear_desc(x, w, s, 1) == ("desc", ("B", "T", 512), bf16)
     combos = P.fp8_block_linear_autotune(x, w, s, ())
-    assert ("BF16,FP8,FP32,BF16", "LINEAR,LINEAR,LINEAR,LINEAR", [1, 2, 3]) in combos
+    assert ("BF16,FP8,FLOAT,BF16", "LINEAR,LINEAR,LINEAR,LINEAR", [1, 2, 3]) in combos
 
     from k2trt.runtime.trt import aot_linear as A
 

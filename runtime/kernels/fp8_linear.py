@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k2trt.graphs.fp8 import BLOCK, PER_TOKEN_GROUP, WEIGHT_DEQUANT
+from k2trt.graphs.fp8 import BLOCK, PER_TOKEN_GROUP, WEIGHT_DEQUANT, cdiv
 
 # Activation dtype codes passed to kernels as constexpr (a dtype object is awkward to specialize on).
 ACT_F32, ACT_BF16, ACT_F16 = 0, 1, 2
@@ -206,7 +206,7 @@ def quantize_activation(x: torch.Tensor, block_rows: int = 16) -> tuple[torch.Te
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, k // BLOCK, dtype=torch.float32, device=x.device)
     if m:
-        _act_quant_kernel[(triton.cdiv(m, block_rows), k // BLOCK)](
+        _act_quant_kernel[(cdiv(m, block_rows), k // BLOCK)](
             x, q, s, m, x.stride(0), q.stride(0), s.stride(0), BLOCK_ROWS=block_rows, GROUP=BLOCK)
     return q, s
 
@@ -226,7 +226,7 @@ def linear_config(m: int, n: int, k: int) -> LinearConfig:
     stream the weight (an H100/H200 has 132 SMs); prefill uses the usual 64×128 / 128×128 fp8 tiles."""
     if m <= 16:
         bn = 128
-        while bn > 16 and triton.cdiv(n, bn) < 264:
+        while bn > 16 and cdiv(n, bn) < 264:
             bn //= 2
         return LinearConfig(16, bn, num_stages=4)
     if m <= 64:
@@ -247,7 +247,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
         raise ValueError(f"x has {x.shape[-1]} input channels, weight expects {k}")
     if weight.dtype != torch.float8_e4m3fn:
         raise TypeError(f"weight must be float8_e4m3fn, got {weight.dtype}")
-    if tuple(scale_inv.shape) != (triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)):
+    if tuple(scale_inv.shape) != (cdiv(n, BLOCK), cdiv(k, BLOCK)):
         raise ValueError(f"scale_inv shape {tuple(scale_inv.shape)} does not match weight {tuple(weight.shape)}")
     ac = act_code(x.dtype)
     x2 = x.reshape(-1, k)
@@ -267,7 +267,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
         a = x2 if x2.stride(1) == 1 else x2.contiguous()
         a_s = scale_inv  # placeholder, never read
     y = out.view(m, n)
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n),)
     _linear_kernel[grid](
         a, a_s, weight, scale_inv, y, m, n, k,
         a.stride(0), a_s.stride(0), weight.stride(0), scale_inv.stride(0), y.stride(0),

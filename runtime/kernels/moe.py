@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k2trt.graphs.fp8 import BLOCK, PER_TOKEN_GROUP
+from k2trt.graphs.fp8 import BLOCK, PER_TOKEN_GROUP, cdiv
 from k2trt.runtime.kernels.fp8_linear import (_quant_group, _round_act, _scaled_dot, _to_act, act_code,
                                                check_activation_quant, dot16, quantize_activation)
 
@@ -44,7 +44,7 @@ def align_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Upper bound of Σ_e roundup(count_e, block_m): only experts with pairs are padded, at most
     min(num_pairs, E) of them, each by < block_m. Rounded up to whole tiles."""
     bound = num_pairs + min(num_pairs, num_experts) * (block_m - 1)
-    return triton.cdiv(bound, block_m) * block_m
+    return cdiv(bound, block_m) * block_m
 
 
 ALIGN_TRITON_MAX_PAIRS = 4096  # one-program Triton alignment up to here (decode), torch ops above (prefill)
@@ -322,7 +322,7 @@ def moe_gate_up(x2, al: MoeAlignment, top_k: int, gate_w, gate_s, up_w, up_s, ac
         a = x2 if x2.stride(1) == 1 else x2.contiguous()
         h = torch.empty(cap, inter, dtype=x2.dtype, device=x2.device)
         a_s = hs = gate_s  # placeholders, never read
-    _gate_up_kernel[(cap // cfg.block_m * triton.cdiv(inter, cfg.block_n_gate_up),)](
+    _gate_up_kernel[(cap // cfg.block_m * cdiv(inter, cfg.block_n_gate_up),)](
         a, a_s, gate_w, gate_s, up_w, up_s, h, hs, al.sorted_ids, al.tile_experts, al.num_padded,
         m * top_k, inter, d, top_k,
         a.stride(0), a_s.stride(0), gate_w.stride(0), gate_w.stride(1), gate_s.stride(0), gate_s.stride(1),
@@ -339,7 +339,7 @@ def moe_down(h, hs, al: MoeAlignment, num_pairs: int, down_w, down_s, dtype: tor
     pair_out = torch.empty(num_pairs, d, dtype=dtype, device=h.device)
     if not w8a8:
         hs = down_s  # placeholder, never read
-    _down_kernel[(al.capacity // cfg.block_m * triton.cdiv(d, cfg.block_n_down),)](
+    _down_kernel[(al.capacity // cfg.block_m * cdiv(d, cfg.block_n_down),)](
         h, hs, down_w, down_s, pair_out, al.sorted_ids, al.tile_experts, al.num_padded, num_pairs, d, inter,
         h.stride(0), hs.stride(0), down_w.stride(0), down_w.stride(1), down_s.stride(0), down_s.stride(1),
         pair_out.stride(0),
@@ -351,7 +351,7 @@ def moe_combine(pair_out, weights, out2, block_d: int = 1024) -> torch.Tensor:
     """Stage 4: out2[t] = Σ_k weights[t, k] · pair_out[t·k_top + k], fp32 sum, stored in out2's dtype."""
     m, top_k = weights.shape
     d = pair_out.shape[1]
-    _combine_kernel[(m, triton.cdiv(d, block_d))](
+    _combine_kernel[(m, cdiv(d, block_d))](
         pair_out, weights, out2, d, pair_out.stride(0), out2.stride(0),
         TOP_K=top_k, BLOCK_D=block_d, ACT=act_code(out2.dtype))
     return out2

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from k2trt.graphs.fp8 import BLOCK, PER_TOKEN_GROUP, WEIGHT_DEQUANT
+from k2trt.graphs.fp8 import BLOCK, PER_TOKEN_GROUP, WEIGHT_DEQUANT, cdiv
 from k2trt.runtime.kernels.fp8_linear import _grouped_tile, _quant_group, _scaled_dot, _to_act, linear_config
 from k2trt.runtime.trt.plugins import LINEAR_TACTIC_ROWS
 
@@ -109,7 +109,7 @@ class AotLinearPlan:
 
     def grid_x(self, m):
         """Works on ints and on TensorRT shape expressions (only + * // are used)."""
-        return ((m + self.block_m - 1) // self.block_m) * (-(-self.n // self.block_n))
+        return ((m + self.block_m - 1) // self.block_m) * cdiv(self.n, self.block_n)  # m may be an expression
 
     def shrink(self) -> "AotLinearPlan | None":
         """The next smaller config (fewer stages, then narrower N, then fewer rows), or None."""

@@ -16,20 +16,20 @@ Optional CUDA graphs for decode blocks (`cuda_graphs=True`, off by default): see
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterable
 
 import torch
 
 from k2trt.errors import K2Error
 from k2trt.export.block_graphs import KINDS
 from k2trt.export.manifest import read_manifest
-from k2trt.graphs.ops import TORCH_DTYPES
+from k2trt.dtypes import torch_dtype
+from k2trt.runtime.backend import BackendLimits, Progress, WeightSource, prepare_order
+from k2trt.runtime.graph_weights import graph_weights
 from k2trt.runtime.trt import engine_manifest as EM
+from k2trt.runtime.trt import environment
 from k2trt.runtime.trt.profiles import check_call_shape, eval_dim, profile_index
-from k2trt.runtime.weight_prep import graph_weights
 
-GRAPH_TORCH_DTYPES = {**TORCH_DTYPES, "float8_e4m3fn": torch.float8_e4m3fn, "float8e4m3fn": torch.float8_e4m3fn,
-                      "bool": torch.bool}
-BLOCK_INPUTS = ("hidden_states", "rope_cos", "rope_sin", "attention_mask", "latent_cache")
 
 
 def output_shapes(entry: dict, dims: dict[str, int]) -> dict[str, tuple[int, ...]]:
@@ -41,16 +41,12 @@ def upload_weights(entry: dict, source: dict, act_dtype: torch.dtype, device) ->
     """The graph's weight inputs from a weight source's tensors, prepared as the manifest says, on the device in
     the graph dtypes (moved first: casting and dequantizing on the GPU is faster for big tensors)."""
     declared = {i["name"]: i for i in entry["inputs"]}
-    needed = {s for name in entry["weights"] for s in entry["prep"].get(name, {"from": [name]})["from"]}
-    missing = sorted(needed - set(source))
-    if missing:
-        raise K2Error(f"weight {missing[0]!r} is missing from the checkpoint's tensors for {entry['kind']}")
     out = {}
     for name, t in graph_weights(entry, source, act_dtype, device).items():
         want = declared[name]
         if list(t.shape) != list(want["shape"]):
             raise K2Error(f"weight {name!r}: shape {list(t.shape)}, the engine expects {want['shape']}")
-        if t.dtype != GRAPH_TORCH_DTYPES[want["dtype"]]:
+        if t.dtype != torch_dtype(want["dtype"]):
             raise K2Error(f"weight {name!r}: {t.dtype}, the engine expects {want['dtype']}")
         out[name] = t.contiguous()
     return out
@@ -84,7 +80,7 @@ class Engine:
         self.engine, self.entry = engine, entry
         self.context = engine.create_execution_context()
         self.profile = None
-        self.dtypes = {i["name"]: GRAPH_TORCH_DTYPES[i["dtype"]] for i in entry["inputs"] + entry["outputs"]}
+        self.dtypes = {i["name"]: torch_dtype(i["dtype"]) for i in entry["inputs"] + entry["outputs"]}
 
     def bind(self, t: int, inputs: dict, weights: dict, outputs: dict, stream: torch.cuda.Stream) -> None:
         ctx = self.context
@@ -113,10 +109,10 @@ class Engine:
 class TrtBackend:
     name = "tensorrt"
 
-    def __init__(self, engine_dir: str | Path, weights, export_dir: str | Path | None = None,
+    def __init__(self, engine_dir: str | Path, weights: WeightSource, export_dir: str | Path | None = None,
                  cuda_graphs: bool = False, device: int = 0, verbose: bool = False):
-        trt = EM.import_tensorrt()
-        EM.require_cuda()
+        trt = environment.import_tensorrt()
+        environment.require_cuda()
         from k2trt.runtime.trt.plugins import register_plugins
 
         engine_dir = Path(engine_dir)
@@ -132,9 +128,10 @@ class TrtBackend:
                           "build all of them to generate")
         self.spec = EM.profile_spec_of(self.manifest)
         # what the engines' profiles allow: the generator refuses longer requests and chunks prefill to fit
-        self.max_context = self.spec.max_seq
-        self.max_tokens_per_step = self.spec.max_prefill
-        self.act_dtype = TORCH_DTYPES[self.manifest["act_dtype"]]
+        self.limits = BackendLimits(max_context=self.spec.max_seq, max_tokens_per_step=self.spec.max_prefill,
+                                    max_batch=self.spec.max_batch)
+        self.activation_quant = int(self.manifest["activation_quant"])
+        self.act_dtype = torch_dtype(self.manifest["act_dtype"])
         self.device = torch.device("cuda", device)
         torch.cuda.set_device(self.device)
         register_plugins()  # JIT plugins run Python at enqueue: their definitions must exist before deserializing
@@ -160,6 +157,20 @@ class TrtBackend:
                 source = self._globals
             self._bound[key] = upload_weights(self.engines[kind].entry, source, self.act_dtype, self.device)
         return self._bound[key]
+
+    def prepare(self, layers: Iterable[int] | None = None, *, embedding: bool = True, head: bool = True,
+                progress: Progress | None = None) -> None:
+        order = prepare_order(layers, self.cfg.num_hidden_layers, embedding, head)
+        for i, item in enumerate(order, 1):
+            self.layer_weights(item, self.cfg.layer_kind(item) if isinstance(item, int) else item)
+            if progress:
+                progress(i, len(order), f"layer {item}" if isinstance(item, int) else item)
+
+    def session_seconds(self) -> None:
+        return None  # enqueues are asynchronous: the time inside TensorRT is not separable on the host
+
+    def standalone_onnx(self, kind: str, layer: int | None) -> None:
+        return None
 
     # ---- running ------------------------------------------------------------------------------------
     def _outputs(self, kind: str, dims: dict, avoid: torch.Tensor | None = None) -> dict[str, torch.Tensor]:

@@ -20,6 +20,7 @@ from k2trt.errors import K2Error
 from k2trt.export.block_graphs import KINDS
 from k2trt.export.manifest import graph_file, read_manifest
 from k2trt.runtime.trt import engine_manifest as EM
+from k2trt.runtime.trt import environment
 from k2trt.runtime.trt.profiles import (ProfileSpec, add_profile_arguments, graph_profiles, is_dynamic,
                                         spec_from_args)
 
@@ -42,14 +43,14 @@ def run(args) -> int:
         raise K2Error(f"--out {args.out} exists and is not a directory")
     graphs = {kind: _graph(export, kind, args.onnx) for kind in args.kinds}
     # Only now the heavy dependencies: every input error above is reported without TensorRT.
-    trt = EM.import_tensorrt()
-    EM.require_cuda()
+    trt = environment.import_tensorrt()
+    environment.require_cuda()
     from k2trt.runtime.trt.plugins import register_plugins
 
     modes = register_plugins()  # before parsing: the parser looks our nodes up in the plugin registry
     if args.aot_linear and modes["Fp8BlockLinear"] != "jit+aot":
         raise K2Error(f"--aot-linear needs AOT Python plugins (TensorRT >= 10.10), this is {trt.__version__}")
-    env = EM.current_environment()
+    env = environment.current_environment()
     print(f"TensorRT {env['tensorrt_version']} on {env['gpu_name']} (sm {env['compute_capability']}); "
           f"profiles: prefill T 1..{spec.max_prefill}, decode T 1; B 1..{spec.max_batch}, P 1..{spec.max_seq}")
     builder = Builder(trt, spec, args.timing_cache, args.verbose)
@@ -148,7 +149,7 @@ class Builder:
     def network_flags(self) -> int:
         # TensorRT 11 networks are always strongly typed (flag 0); on 10.x ask for it explicitly.
         flag = getattr(self.trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
-        if EM.tensorrt_major(self.trt.__version__) >= 11 or flag is None:
+        if environment.tensorrt_major(self.trt.__version__) >= 11 or flag is None:
             return 0
         return 1 << int(flag)
 

@@ -23,6 +23,10 @@ import typing
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
+from k2trt.dtypes import BY_TRT
+from k2trt.dtypes import dtype as dtype_info
 from k2trt.graphs import contracts
 from k2trt.graphs.contracts import NodeContract
 
@@ -31,15 +35,6 @@ PARSER_ATTRIBUTES = ("plugin_namespace", "plugin_version", "aot")
 # tensorrt.plugin registers every plugin as version "1"; the exported nodes must say the same.
 QDP_PLUGIN_VERSION = "1"
 
-# contract dtype -> the name AutoTuneCombination uses (trt.DataType's name, FP32/FP16 for float/half)
-AUTOTUNE_TYPE = {"float32": "FP32", "bfloat16": "BF16", "float16": "FP16", "float8e4m3fn": "FP8", "int32": "INT32"}
-# trt.DataType.name -> contract dtype
-CONTRACT_DTYPE = {"FLOAT": "float32", "BF16": "bfloat16", "HALF": "float16", "FP8": "float8e4m3fn",
-                  "INT32": "int32"}
-# contract dtype -> (torch dtype name, __cuda_array_interface__ typestr with the same item size, item size).
-# TensorRT's own interface raises for BF16/FP8, so those travel as int16/uint8 and are re-viewed.
-TORCH_VIEW = {"float32": ("float32", "<f4", 4), "bfloat16": ("bfloat16", "<i2", 2), "float16": ("float16", "<f2", 2),
-              "float8e4m3fn": ("float8_e4m3fn", "|u1", 1), "int32": ("int32", "<i4", 4)}
 ATTRIBUTE_PY_TYPES = {"int": int, "float": float, "str": str}
 
 # Fp8BlockLinear tactics: id -> the row count whose tile config (runtime/kernels/fp8_linear.linear_config) the AOT
@@ -86,7 +81,7 @@ class PluginSpec:
             types = []
             for p in self.inputs + self.outputs:
                 dt = act if p.follows_activation else p.dtypes[0]
-                types.append(AUTOTUNE_TYPE[dt])
+                types.append(autotune_type(dt))
             combos.append(",".join(types))
         return combos
 
@@ -134,10 +129,23 @@ def plugin_specs() -> dict[str, PluginSpec]:
 
 # ---- tensors --------------------------------------------------------------------------------------------
 
+def autotune_type(dtype: str) -> str:
+    """The type name AutoTuneCombination takes: trt.DataType's member name (tensorrt/plugin/_utils.py
+    _str_to_data_type accepts those, plus FP32/FP16 as aliases)."""
+    return dtype_info(dtype).trt
+
+
+def interface_typestr(dtype: str) -> str:
+    """The __cuda_array_interface__ typestr a buffer of `dtype` travels as. TensorRT's own interface raises for
+    BF16 and FP8, and NumPy has neither: those travel as the unsigned integer of the same size and are re-viewed."""
+    d = dtype_info(dtype)
+    return np.dtype(d.numpy).str if d.numpy is not None else np.dtype(f"u{d.itemsize}").str
+
+
 def cuda_array_interface(ptr: int, shape, strides, dtype: str) -> dict:
     """A __cuda_array_interface__ (v3) for a TensorRT buffer, with an item-size-equivalent typestr.
     strides are in elements (as tensorrt.plugin gives them); None means contiguous."""
-    _, typestr, itemsize = TORCH_VIEW[dtype]
+    typestr, itemsize = interface_typestr(dtype), dtype_info(dtype).itemsize
     return {"shape": tuple(int(s) for s in shape), "typestr": typestr, "data": (int(ptr), False), "version": 3,
             "strides": None if strides is None else tuple(int(s) * itemsize for s in strides)}
 
@@ -151,11 +159,11 @@ def as_torch(t):
     """A tensorrt.plugin Tensor as a torch CUDA tensor sharing its memory, in the matching torch dtype."""
     import torch
 
-    dtype = CONTRACT_DTYPE[t.dtype.name]
+    dtype = BY_TRT[t.dtype.name].name
     strides = getattr(t, "strides", None)
     view = torch.as_tensor(_CudaBuffer(cuda_array_interface(t.data_ptr, tuple(t.shape), strides, dtype)),
                            device="cuda")
-    return view.view(getattr(torch, TORCH_VIEW[dtype][0]))
+    return view.view(dtype_info(dtype).torch)
 
 
 @contextlib.contextmanager
@@ -192,7 +200,7 @@ def fp8_block_linear_aot_impl(x, weight, weight_scale_inv, activation_quant, out
     from k2trt.runtime.trt import aot_linear
 
     n, k = (_constant(weight.shape_expr[i], f"weight dim {i}") for i in (0, 1))
-    act = CONTRACT_DTYPE[x.dtype.name]
+    act = BY_TRT[x.dtype.name].name
     plan = aot_linear.plan_for(act, n, k, int(activation_quant), int(tactic))
     plan, name, ptx, block_x, shared = aot_linear.compile_plan(plan)
     rows = x.shape_expr[0]
@@ -294,7 +302,7 @@ _REGISTERED: set[str] = set()
 def register_plugins() -> dict[str, str]:
     """Register every plugin with tensorrt.plugin (once per process); returns op_type -> "jit" | "jit+aot".
     Must run before an ONNX graph with our nodes is parsed and before an engine with them is deserialized."""
-    from k2trt.runtime.trt.engine_manifest import import_tensorrt_plugin
+    from k2trt.runtime.trt.environment import import_tensorrt_plugin
 
     _, trtp = import_tensorrt_plugin()
     modes = {}

@@ -1,6 +1,9 @@
 """Seeded synthetic weights with K2's names, shapes and dtypes (graphs/weights.py): the embedded tiny
 checkpoint is made from them, and tests use them for fresh random weights without a checkpoint on disk.
-Each layer has its own generator, so any layer can be made alone and equals the checkpoint's."""
+Each layer has its own generator, so any layer can be made alone and equals the checkpoint's.
+
+The tiny model's tokenizer fixes which vocabulary rows are special tokens: their lm_head rows are small, as the
+rows of tokens never seen in training are in a real model."""
 
 from __future__ import annotations
 
@@ -10,10 +13,11 @@ from typing import Iterator
 import torch
 
 from k2trt.config import K2Config
+from k2trt.dtypes import FP8
 from k2trt.graphs import weights as W
 from k2trt.graphs.fp8 import quantize_weight
 from k2trt.runtime.tokenizer import NUM_RESERVED_SPECIAL
-from k2trt.tiny_tokenizer import SPECIAL_OFFSETS
+from k2trt.tools.tiny_tokenizer import SPECIAL_OFFSETS
 
 # Initialization scales, in one place to tune. Linear weights are normal with std = factor / sqrt(in_features);
 # the two linears that write into the residual stream (o_proj, down_proj) are smaller so it stays tame.
@@ -31,7 +35,6 @@ INIT = {
 
 # [EOS] and <|im_end|>: the specials generation stops on, which keep full-size lm_head rows
 STOP_OFFSETS = tuple(o for o, name in SPECIAL_OFFSETS.items() if name in ("[EOS]", "<|im_end|>"))
-
 
 
 def _linear_std(name: str, in_features: int, init: dict[str, float]) -> float:
@@ -60,7 +63,7 @@ def layer_tensors(cfg: K2Config, layer: int, g: torch.Generator, init: dict[str,
     for spec in W.layer_specs(cfg, layer):
         if spec.name in made:
             yield spec.name, made.pop(spec.name)
-        elif spec.dtype == W.FP8:
+        elif spec.dtype == FP8:
             w = torch.randn(spec.shape, generator=g) * _linear_std(spec.name, spec.shape[1], init)
             q, s = quantize_weight(w)
             made[spec.name + "_scale_inv"] = s  # yielded next, as the spec list puts it right after
@@ -109,16 +112,20 @@ class RandomWeights:
         return global_tensors(self.config, self._gen(0))
 
     def block_weights(self, layer: int) -> dict[str, torch.Tensor]:
-        return block_inputs_from_layer(self.config, layer, self.layer(layer))
+        tensors = self.layer(layer)
+        return W.assemble_block_weights(self.config, layer, lambda name, out: out.copy_(tensors[name]))
 
 
-def block_inputs_from_layer(cfg: K2Config, layer: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors of one layer (suffix names) -> the block graph's weight inputs, in spec order, with
-    the per-expert tensors stacked along a new leading expert axis."""
-    out = {}
-    for spec in W.block_weight_specs(cfg, cfg.layer_kind(layer)):
-        if spec.name.startswith("mlp.experts."):
-            out[spec.name] = torch.stack([tensors[n] for n in W.stacked_source_names(spec.name, cfg.n_routed_experts)])
-        else:
-            out[spec.name] = tensors[spec.name]
-    return out
+def synthetic_tensors(cfg: K2Config, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """Deterministic random weights with full names in checkpoint_writer.ordered_specs order (one layer made
+    at a time)."""
+    weights = RandomWeights(cfg, seed)
+    g = weights.globals()
+    embed, norm, head = W.global_specs(cfg)
+    yield embed.name, g[embed.name]
+    for layer in range(cfg.num_hidden_layers):
+        p = W.layer_prefix(layer)
+        for name, tensor in weights.layer(layer).items():
+            yield p + name, tensor
+    yield norm.name, g[norm.name]
+    yield head.name, g[head.name]

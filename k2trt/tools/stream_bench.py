@@ -1,6 +1,6 @@
 """Streaming a checkpoint layer by layer keeps peak memory near one layer, whatever the checkpoint's size.
 
-`python -m k2trt.stream_bench --gb 4` (`make bench-stream`) writes a synthetic checkpoint of about that size
+`python -m k2trt.tools.stream_bench --gb 4` (`make bench-stream`) writes a synthetic checkpoint of about that size
 (K2's format; cheap constant weights), then streams every layer's block weights in a child process, touching
 every byte, and reports the child's peak RSS against the size of one layer and of the checkpoint.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from k2trt.config import K2Config
-from k2trt.tiny import ordered_specs, spec_bytes, write_checkpoint
+from k2trt.checkpoint_writer import ordered_specs, spec_bytes, write_checkpoint
 
 MB = 1 << 20
 
@@ -86,7 +86,7 @@ def measure(cfg: K2Config, directory: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m k2trt.stream_bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m k2trt.tools.stream_bench", description=__doc__)
     p.add_argument("--gb", type=float, default=4.0, help="checkpoint size in GB (default 4)")
     p.add_argument("--dir", type=Path, help="where to write it (default: a temporary directory, removed after)")
     args = p.parse_args(argv)

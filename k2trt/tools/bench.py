@@ -27,8 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _measure(backend, cfg, prompts, new_tokens, repeat):
     from k2trt.runtime.generator import Generator
 
+    backend.prepare()  # every layer's weights bound, so loading is not timed
     gen = Generator(backend, cfg)
-    gen.generate(prompts, 2)  # warm-up: binds every layer's weights, so loading is not timed
+    gen.generate(prompts, 2)  # warm-up
     best = None
     for _ in range(repeat):
         _, t = gen.generate(prompts, new_tokens)
@@ -39,8 +40,7 @@ def _measure(backend, cfg, prompts, new_tokens, repeat):
 
 def run(args) -> int:
     from k2trt.checkpoint import Checkpoint
-    from k2trt.runtime.ort_backend import OrtBackend
-    from k2trt.runtime.torch_backend import TorchBackend
+    from k2trt.runtime.backends import BackendChoice, open_backend
 
     if args.prompt_len < 1 or args.new_tokens < 2 or args.batch < 1 or args.repeat < 1:
         raise K2Error("--prompt-len, --batch, --repeat must be >= 1 and --new-tokens >= 2")
@@ -49,11 +49,11 @@ def run(args) -> int:
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, cfg.vocab_size - 256, (args.batch, args.prompt_len), generator=g).tolist()
     rows = []
-    for name, make in (("torch reference", lambda: TorchBackend(ckpt)), ("onnxruntime", lambda: OrtBackend(args.onnx, ckpt))):
+    for name, choice in (("torch reference", BackendChoice("torch")), ("onnxruntime", BackendChoice("ort", args.onnx))):
         print(f"benchmarking {name} (batch {args.batch}, prompt {args.prompt_len}, new {args.new_tokens}) ...",
               flush=True)
         t0 = time.perf_counter()
-        timings = _measure(make(), cfg, prompts, args.new_tokens, args.repeat)
+        timings = _measure(open_backend(choice, ckpt), cfg, prompts, args.new_tokens, args.repeat)
         d = timings.as_dict()
         steps = timings.decode_steps + 1
         d["host_ms_per_step"] = round(1000 * timings.host_s / steps, 3)

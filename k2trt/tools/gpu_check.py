@@ -1,4 +1,4 @@
-"""`python -m k2trt.runtime.kernels.gpu_check` (`make gpu-check`): the Triton kernels at full Kimi K2 shapes on a
+"""`python -m k2trt.tools.gpu_check` (`make gpu-check`): the Triton kernels at full Kimi K2 shapes on a
 CUDA GPU — accuracy against the torch references of graphs/ (fp32 emulation, same functions the CPU tests use)
 and time against plain torch (dequantize + per-expert loop, as moe_infer does), in one run of a few minutes.
 
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from k2trt.config import K2Config
-from k2trt.graphs.fp8 import BLOCK, PER_TOKEN_GROUP, dequant_weight
+from k2trt.graphs.fp8 import BLOCK, PER_TOKEN_GROUP, cdiv, dequant_weight
 from k2trt.graphs.fp8 import fp8_block_linear as ref_linear
 from k2trt.graphs.moe_ref import moe_fp8_reference
 
@@ -27,14 +27,10 @@ NO_GPU = "gpu-check: needs a CUDA GPU (torch.cuda.is_available() is False)"
 REL_TOL = 1e-2  # bf16 outputs plus rare one-step flips of the fp8 re-quantized h (see tests/test_kernels.py)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 # ---------------------------------------------------------------------------------------------- cost model
 
 def scale_bytes(n: int, k: int) -> int:
-    return _cdiv(n, BLOCK) * _cdiv(k, BLOCK) * 4
+    return cdiv(n, BLOCK) * cdiv(k, BLOCK) * 4
 
 
 def moe_bytes(num_tokens: int, experts_touched: int, d: int, inter: int, act_bytes: int) -> int:
@@ -167,7 +163,7 @@ def random_experts(num_experts: int, n: int, k: int, device, generator=None):
     for e in range(0, num_experts, 16):  # chunked: a full-size fp32 randn would need 4× the fp8 bytes
         chunk = torch.randn(min(16, num_experts - e), n, k, device=device, generator=generator) * 32
         w[e:e + 16] = chunk.clamp(-448, 448).to(torch.float8_e4m3fn)
-    s = torch.rand(num_experts, _cdiv(n, BLOCK), _cdiv(k, BLOCK), device=device, generator=generator)
+    s = torch.rand(num_experts, cdiv(n, BLOCK), cdiv(k, BLOCK), device=device, generator=generator)
     return w, (s + 0.5) / (32 * k ** 0.5)
 
 
@@ -324,7 +320,7 @@ def compile_check(arch: int = 90, log=print) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m k2trt.runtime.kernels.gpu_check", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m k2trt.tools.gpu_check", description=__doc__)
     p.add_argument("--markdown", metavar="FILE", help="also write the table as Markdown (date, GPU name)")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 4096], help="MoE token counts")
     p.add_argument("--linear-tokens", type=int, nargs="+", default=[1, 64, 4096])

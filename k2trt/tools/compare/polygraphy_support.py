@@ -1,12 +1,10 @@
 """Polygraphy glue for `k2trt compare`, kept small so the polygraphy CLI and scripts can use the same pieces.
 
 * `ort_session(model, providers)` — the session factory for polygraphy's `OnnxrtRunner`: the lowered graphs use
-  only built-in ONNX Runtime ops, so it just builds the session with the chosen providers.
-* `bind_weights(model, arrays)` — an ort/<kind>.onnx graph with one layer's prepared weights turned into
-  initializers. Why: the ORT graphs take one float8 input (kv_b_proj.weight, read by DequantizeLinear), and neither
-  polygraphy (no float8 in its numpy/torch dtype maps) nor ONNX Runtime's numpy API (float8 only as an OrtValue)
-  can feed a float8 array. With the weights bound, every remaining input is float32/int64, so the saved
-  inputs.json is small and plain `polygraphy run <dir>/model.onnx --onnxrt --load-inputs ...` works.
+  only built-in ONNX Runtime ops, so it just builds the session with the chosen providers. The graphs it gets are
+  a backend's `standalone_onnx` (the layer's prepared weights stored in the graph): every remaining input is
+  float32/int64, so the saved inputs.json is small and plain `polygraphy run <dir>/model.onnx --onnxrt
+  --load-inputs ...` works (neither polygraphy nor ONNX Runtime's numpy API can feed a float8 array).
 * `BackendRunner` — a polygraphy runner over any runtime Backend's embed/block/head (used for TensorRT, whose
   engines take float8 weight inputs that polygraphy's TrtRunner cannot bind either).
 """
@@ -18,25 +16,16 @@ import time
 from collections import OrderedDict
 
 import numpy as np
-import onnx
 import torch
 from polygraphy.backend.base import BaseRunner
 from polygraphy.common import TensorMetadata
 from polygraphy.datatype import DataType
 from polygraphy.logger import G_LOGGER
 
+from k2trt.export.block_graphs import ACTIVATIONS
+
 # Plain log lines: polygraphy otherwise prints a hint about the optional `colored` package to stdout.
 G_LOGGER.colors = False
-
-# Activation inputs and outputs of each graph kind, in the order of the Backend interface (runtime/backend.py).
-ACTIVATIONS = {
-    "embedding": (("input_ids",), ("hidden_states",)),
-    "dense_block": (("hidden_states", "rope_cos", "rope_sin", "attention_mask", "latent_cache"),
-                    ("hidden_states_out", "latent_new")),
-    "moe_block": (("hidden_states", "rope_cos", "rope_sin", "attention_mask", "latent_cache"),
-                  ("hidden_states_out", "latent_new")),
-    "head": (("hidden_states",), ("logits",)),
-}
 
 
 def ort_session(model, providers: list[str] | None = None, threads: int | None = None):
@@ -49,26 +38,6 @@ def ort_session(model, providers: list[str] | None = None, threads: int | None =
         opts.intra_op_num_threads = threads
     return ort.InferenceSession(model if isinstance(model, bytes) else str(model), opts,
                                 providers=providers or ["CPUExecutionProvider"])
-
-
-def bind_weights(model: onnx.ModelProto, arrays: dict[str, np.ndarray]) -> onnx.ModelProto:
-    """A copy of `model` whose inputs named in `arrays` are initializers holding those values. Each array's bytes
-    are taken as the input's declared element type (float8 travels as uint8 bytes, as OrtValue.numpy() gives it)."""
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    graph = out.graph
-    declared = {i.name: i.type.tensor_type.elem_type for i in graph.input}
-    missing = sorted(set(arrays) - set(declared))
-    if missing:
-        raise KeyError(f"graph {graph.name!r} has no inputs {missing}")
-    for name, a in arrays.items():
-        a = np.ascontiguousarray(a)
-        graph.initializer.append(onnx.TensorProto(name=name, data_type=declared[name], dims=a.shape,
-                                                  raw_data=a.tobytes()))
-    keep = [i for i in graph.input if i.name not in arrays]
-    del graph.input[:]
-    graph.input.extend(keep)
-    return out
 
 
 @contextlib.contextmanager

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from k2trt.export.block_graphs import ACTIVATIONS
+from k2trt.runtime.backend import BackendWrapper
 from k2trt.runtime.generator import Generator
-from k2trt.runtime.polygraphy_support import ACTIVATIONS
 
 
 GOLDEN_STEPS = 2  # prefill + one decode step
@@ -45,13 +46,13 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return (t if t.dtype == torch.int64 else t.float()).numpy().copy()
 
 
-class Recorder:
+class Recorder(BackendWrapper):
     """A Backend that forwards to `inner` and records the chosen calls of the first `steps` steps.
     `wanted`: (kind, layer) pairs to record, layer None for the embedding and the head."""
 
     def __init__(self, inner, cfg, wanted: list[tuple[str, int | None]], steps: int = GOLDEN_STEPS):
-        self.inner, self.cfg, self.steps = inner, cfg, steps
-        self.name, self.device, self.act_dtype = inner.name, inner.device, inner.act_dtype
+        super().__init__(inner)
+        self.cfg, self.steps = cfg, steps
         self.cases = {block_key(k, n): BlockCase(block_key(k, n), k, n) for k, n in wanted}
         self.step = -1
         self.logits: list[np.ndarray] = []

@@ -1,0 +1,61 @@
+"""The export API: the per-block ONNX graphs of a config (TensorRT-bound and ONNX Runtime forms) and their
+manifest, written under one directory. Graphs hold no weights, so real K2 exports in seconds on a CPU."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from k2trt.config import K2Config
+from k2trt.errors import K2Error
+from k2trt.export import manifest as M
+from k2trt.export.block_graphs import KINDS, activation_io, build_block_graph
+from k2trt.export.checks import check_onnx, check_trt_operators
+from k2trt.export.lower_ort import lower_for_ort
+from k2trt.export.onnx_ops import weight_prep
+from k2trt.graphs.fp8 import PER_TOKEN_GROUP, WEIGHT_DEQUANT
+
+
+def export_kind(cfg: K2Config, out: Path, kind: str, act_dtype: str, activation_quant: int) -> dict[str, dict]:
+    """Both forms of one block kind, checked and written; -> {manifest key: graph entry}."""
+    trt_model = build_block_graph(cfg, kind, act_dtype, activation_quant)
+    check_onnx(trt_model, f"trt/{kind}")
+    check_trt_operators(trt_model, f"trt/{kind}")
+    ort_model, prep = lower_for_ort(trt_model, act_dtype)
+    check_onnx(ort_model, f"ort/{kind}")
+    acts = {name for name, _, _ in activation_io(cfg, kind, act_dtype)[0]}
+    return {
+        f"trt/{kind}": M.write_graph(out, f"trt/{kind}", kind, "tensorrt", trt_model, weight_prep(trt_model),
+                                     activation_quant, acts),
+        # The lowering computes with dequantized weights: the W8A16 convention.
+        f"ort/{kind}": M.write_graph(out, f"ort/{kind}", kind, "onnxruntime", ort_model, prep, WEIGHT_DEQUANT, acts),
+    }
+
+
+def export(cfg: K2Config, out: Path, act_dtype: str = "float32", activation_quant: int = PER_TOKEN_GROUP,
+           force: bool = False, log=print) -> dict:
+    """Write trt/<kind>.onnx, ort/<kind>.onnx and manifest.json under `out`; returns the manifest. Kinds whose
+    graphs are up to date (same config, dtype, mode and exporter code) are kept."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise K2Error(f"--out {out} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    previous = M.load_if_current(out, cfg, act_dtype, activation_quant)
+    graphs: dict[str, dict] = {}
+    t_all = time.perf_counter()
+    for i, kind in enumerate(KINDS, 1):
+        keys = (f"trt/{kind}", f"ort/{kind}")
+        if not force and previous and all(M.entry_is_current(out, previous["graphs"].get(k)) for k in keys):
+            graphs.update({k: previous["graphs"][k] for k in keys})
+            log(f"[{i}/{len(KINDS)}] {kind}: up to date")
+            continue
+        t0 = time.perf_counter()
+        written = export_kind(cfg, out, kind, act_dtype, activation_quant)
+        graphs.update(written)
+        trt_entry = written[keys[0]]
+        log(f"[{i}/{len(KINDS)}] {kind}: {trt_entry['nodes']} nodes, {len(trt_entry['weights'])} weight inputs "
+            f"({time.perf_counter() - t0:.1f}s)")
+    manifest = M.make_manifest(cfg, act_dtype, activation_quant, graphs)
+    M.write_manifest(out, manifest)
+    log(f"exported {len(KINDS)} block kinds to {out} in {time.perf_counter() - t_all:.1f}s")
+    return manifest

@@ -1,0 +1,84 @@
+"""Writing a checkpoint directory in K2's on-disk format from a stream of tensors: config.json, sharded
+`model-000NN-of-0000MM.safetensors` files and the HF index. Holds one shard in memory at a time."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from k2trt.atomic import atomic_write_text
+from k2trt.checkpoint import INDEX_NAME
+from k2trt.config import K2Config
+from k2trt.dtypes import FP8, torch_dtype
+from k2trt.graphs.weights import TensorSpec, global_specs, layer_prefix, layer_specs
+from k2trt.safetensors_io import save_file
+
+def shard_name(i: int, n: int) -> str:
+    """K2's naming: model-00001-of-000062.safetensors."""
+    return f"model-{i:05d}-of-{n:06d}.safetensors"
+
+
+def ordered_specs(cfg: K2Config) -> list[TensorSpec]:
+    """Every tensor in file order, with full names: embeddings, the layers, final norm, lm_head (K2's shards put
+    the norm and the head last)."""
+    embed, norm, head = global_specs(cfg)
+    specs = [embed]
+    for layer in range(cfg.num_hidden_layers):
+        p = layer_prefix(layer)
+        specs += [TensorSpec(p + s.name, s.shape, s.dtype) for s in layer_specs(cfg, layer)]
+    return specs + [norm, head]
+
+
+def spec_bytes(spec: TensorSpec) -> int:
+    return spec.numel * torch_dtype(spec.dtype).itemsize
+
+
+def shard_plan(specs: list[TensorSpec], n_shards: int) -> list[list[TensorSpec]]:
+    """Split the tensors into about n_shards of similar size. Each cut falls between an FP8 weight and its
+    scale, so (as in K2's own shards) a weight and its weight_scale_inv can sit in different files."""
+    target = math.ceil(sum(spec_bytes(s) for s in specs) / n_shards)
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for i, spec in enumerate(specs):
+        shards[-1].append(spec)
+        size += spec_bytes(spec)
+        next_is_scale = i + 1 < len(specs) and specs[i + 1].is_scale
+        if size >= target and spec.dtype == FP8 and next_is_scale:
+            shards.append([])
+            size = 0
+    return [s for s in shards if s]
+
+
+def write_checkpoint(out_dir: str | Path, cfg: K2Config, tensors: Iterable[tuple[str, torch.Tensor]],
+                     n_shards: int) -> list[str]:
+    """Write config.json, the shards and the index into out_dir from a stream of (name, tensor) in
+    ordered_specs order. Returns the shard file names."""
+    out_dir = Path(out_dir)
+    plan = shard_plan(ordered_specs(cfg), n_shards)
+    names = [shard_name(i + 1, len(plan)) for i in range(len(plan))]
+    stream = iter(tensors)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for file_name, specs in zip(names, plan):
+        shard: dict[str, torch.Tensor] = {}
+        for spec in specs:
+            name, t = next(stream, (None, None))
+            if name != spec.name or tuple(t.shape) != spec.shape or t.dtype != torch_dtype(spec.dtype):
+                got = "end of stream" if name is None else f"{name} {t.dtype} {list(t.shape)}"
+                raise ValueError(f"tensor stream out of step: expected {spec.name} {spec.dtype} "
+                                 f"{list(spec.shape)}, got {got}")
+            shard[name] = t.contiguous()
+            weight_map[name] = file_name
+            total += spec_bytes(spec)
+        save_file(shard, out_dir / file_name)
+        del shard
+    if next(stream, None) is not None:
+        raise ValueError("tensor stream has more tensors than the config")
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    atomic_write_text(out_dir / INDEX_NAME, json.dumps(index, indent=2) + "\n")
+    cfg.write_json(out_dir / "config.json")
+    return names

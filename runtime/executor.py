@@ -1,0 +1,107 @@
+"""Running step plans through a backend: the part of the runtime that touches tensors.
+
+A StageExecutor owns a backend, the latent cache of its layers and (on the stage with the head) one sampler per
+slot. `run(plan)` applies the plan's slot operations, then embeds (first stage), runs its layers writing their
+cache in place, and applies the head and samples (last stage). A single process is one stage with every layer;
+a pipeline (runtime/distributed/) is several, with the hidden state passed between them — the same code.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from k2trt.config import K2Config
+from k2trt.runtime.backend import Backend
+from k2trt.runtime.cache import LatentCache
+from k2trt.runtime.sampling import Sampler
+from k2trt.runtime.step import Admit, Move, Release, RopeTable, StepPlan, StepTensors, Swap, step_tensors
+
+
+@dataclass
+class StageClock:
+    backend_s: float = 0.0  # inside the backend's embed/block/head calls
+
+
+class StageExecutor:
+    def __init__(self, backend: Backend, cfg: K2Config, layers: list[int] | None = None,
+                 first: bool = True, last: bool = True):
+        self.backend, self.cfg = backend, cfg
+        self.layers = list(range(cfg.num_hidden_layers) if layers is None else layers)
+        self.first, self.last = first, last
+        self.cache = LatentCache(self.layers, cfg.latent_dim, backend.act_dtype, backend.device)
+        self.samplers: dict[int, Sampler] = {}
+        self.rope = RopeTable(cfg)
+        self.clock = StageClock()
+
+    # ---- slot bookkeeping ------------------------------------------------------------------------------
+    def apply(self, plan: StepPlan) -> None:
+        for op in plan.ops:
+            if isinstance(op, Admit):
+                if self.last:
+                    self.samplers[op.slot] = Sampler(op.sampling)
+            elif isinstance(op, Release):
+                self.samplers.pop(op.slot, None)
+            elif isinstance(op, Move):
+                self.cache.move(op.src, op.dst)
+                if op.src in self.samplers:
+                    self.samplers[op.dst] = self.samplers.pop(op.src)
+            elif isinstance(op, Swap):
+                self.cache.swap(op.a, op.b)
+                sa, sb = self.samplers.pop(op.a, None), self.samplers.pop(op.b, None)
+                if sa is not None:
+                    self.samplers[op.b] = sa
+                if sb is not None:
+                    self.samplers[op.a] = sb
+            else:
+                raise TypeError(f"unknown slot op {op!r}")
+        self.cache.resize(plan.rows, plan.capacity)
+
+    # ---- the step, in the three parts a pipeline distributes -----------------------------------------------
+    def tensors(self, plan: StepPlan) -> StepTensors:
+        return step_tensors(plan, self.rope, self.backend.device, self.backend.act_dtype)
+
+    def embed(self, st: StepTensors) -> torch.Tensor:
+        t0 = time.perf_counter()
+        h = self.backend.embed(st.input_ids)
+        self.clock.backend_s += time.perf_counter() - t0
+        return h
+
+    def run_layers(self, plan: StepPlan, st: StepTensors, hidden: torch.Tensor) -> torch.Tensor:
+        backend, clock = self.backend, time.perf_counter
+        for layer in self.layers:
+            cache = self.cache.view(layer, plan.first, plan.batch)
+            t0 = clock()
+            hidden, new = backend.block(layer, hidden, st.rope_cos, st.rope_sin, st.mask, cache)
+            self.clock.backend_s += clock() - t0
+            self.cache.write(layer, plan.first, new, st.cache_rows, st.valid)  # the only write of this step
+        return hidden
+
+    def sample(self, plan: StepPlan, st: StepTensors, hidden: torch.Tensor) -> list[int | None]:
+        """The head on each sampling sequence's last real position, then its own sampler."""
+        rows = [b for b in range(plan.batch) if plan.sample[b]]
+        out: list[int | None] = [None] * plan.batch
+        if not rows:
+            return out
+        idx = torch.tensor(rows, device=hidden.device)
+        last = hidden[idx, st.last[idx]].unsqueeze(1).contiguous()  # [R, 1, d]
+        t0 = time.perf_counter()
+        logits = self.backend.head(last)[:, -1]
+        self.clock.backend_s += time.perf_counter() - t0
+        for r, b in enumerate(rows):
+            out[b] = int(self.samplers[plan.first + b](logits[r:r + 1])[0])
+        return out
+
+    def run(self, plan: StepPlan) -> list[int | None]:
+        """The whole step in one process: -> the sampled token of each sequence (None where not sampled)."""
+        self.apply(plan)
+        if not plan.tokens:
+            return []
+        st = self.tensors(plan)
+        hidden = self.run_layers(plan, st, self.embed(st))
+        return self.sample(plan, st, hidden)
+
+    def session_seconds(self) -> float | None:
+        return self.backend.session_seconds()

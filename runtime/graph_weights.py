@@ -1,0 +1,33 @@
+"""One layer's weight inputs for a graph of the export manifest, made from a weight source's tensors.
+
+The manifest entry lists the graph's weight inputs and, for those that are prepared, the preparation and its
+sources (graphs/weight_prep.py); every other weight input is the checkpoint tensor itself in its graph dtype
+(graphs/weights.as_graph_input)."""
+
+from __future__ import annotations
+
+import torch
+
+from k2trt.errors import K2Error
+from k2trt.graphs.weight_prep import preparation
+from k2trt.graphs.weights import as_graph_input
+
+
+def graph_weights(entry: dict, source: dict, dtype: torch.dtype, device=None) -> dict[str, torch.Tensor]:
+    """The weight inputs of `entry`'s graph for one layer. Sources move to `device` first, so preparation
+    (dequantizing, transposing, interleaving) runs there."""
+    move = (lambda t: t) if device is None else (lambda t: t.to(device))  # noqa: E731
+
+    def get(name: str) -> torch.Tensor:
+        if name not in source:
+            raise K2Error(f"weight {name!r} is missing from the weights of {entry['kind']}")
+        return move(source[name])
+
+    out = {}
+    for name in entry["weights"]:
+        p = entry["prep"].get(name)
+        if p is not None:
+            out[name] = preparation(p["op"]).apply([get(s) for s in p["from"]], dtype)
+        else:
+            out[name] = as_graph_input(get(name), dtype)
+    return out

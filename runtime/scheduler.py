@@ -1,0 +1,268 @@
+"""Continuous batching: requests come and go, and every step runs the ones that are ready.
+
+The scheduler owns the requests and decides each step (runtime/step.StepPlan); an executor runs it, in this
+process (runtime/executor.StageExecutor) or across pipeline stages (runtime/distributed/). One iteration:
+
+  1. admit waiting requests into free slots (they start prefilling);
+  2. one prefill step over the prefilling requests: each feeds its next prompt chunk, and those whose prompt is
+     complete sample their first token;
+  3. one decode step over the decoding requests: each feeds its last token and samples the next.
+
+Slots [0, n_decoding) hold the decoding requests and the prefilling ones follow, so both steps are contiguous slot
+ranges. A finished or cancelled request frees its slot at once; the last request of its region moves into the
+hole. A static batch (`k2trt generate`) is the same loop with every request submitted at the start.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from k2trt.config import K2Config
+from k2trt.errors import K2Error
+from k2trt.runtime.cache import bucket
+from k2trt.runtime.sampling import SamplingParams
+from k2trt.runtime.step import DECODE, PREFILL, Admit, Move, Release, SlotOp, StepPlan, Swap
+from k2trt.runtime.timings import Timings
+
+FINISH_LENGTH, FINISH_STOP_TOKEN, FINISH_STOP_STRING, FINISH_CANCELLED = "length", "stop_token", "stop_string", \
+    "cancelled"
+# a prefill step's mask is B x T x (P + T) float32: chunks shrink so it stays under this many elements
+MASK_BUDGET = 1 << 22
+DEFAULT_PREFILL_CHUNK = 512
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_check: Callable[[list[int]], bool] | None = None  # True ends the request (stop strings)
+    on_token: Callable[["Request", int], None] | None = None  # each kept token, as it is sampled
+    on_finish: Callable[["Request"], None] | None = None
+    on_prefill: Callable[["Request"], None] | None = None  # after each prompt chunk (progress of long prompts)
+    id: int = field(default_factory=lambda: next(_ids))
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    fed: int = 0  # prompt tokens in the cache
+    cached: int = 0  # positions in the cache
+    pending: int | None = None  # the last sampled token, not yet in the cache
+    cancelled: bool = False  # set from anywhere; honoured at the next iteration
+    submitted_at: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < len(self.prompt)
+
+
+class SlotLayout:
+    """Which request owns each slot: the decoding requests first, then the prefilling ones, both contiguous.
+    Every change returns the slot operations that make the executors' caches and samplers follow."""
+
+    def __init__(self):
+        self.order: list[Request] = []
+        self.decoding = 0
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def slot(self, req: Request) -> int:
+        return next(i for i, r in enumerate(self.order) if r is req)
+
+    def add(self, req: Request) -> list[SlotOp]:
+        self.order.append(req)
+        return [Admit(len(self.order) - 1, req.sampling)]
+
+    def promote(self, req: Request) -> list[SlotOp]:
+        """A prefilling request starts decoding: it moves to the front of the prefilling region."""
+        i, j = self.slot(req), self.decoding
+        self.decoding += 1
+        if i == j:
+            return []
+        self.order[i], self.order[j] = self.order[j], self.order[i]
+        return [Swap(i, j)]
+
+    def remove(self, req: Request) -> list[SlotOp]:
+        i = self.slot(req)
+        ops: list[SlotOp] = [Release(i)]
+        if i < self.decoding:  # fill the hole with the last decoding request; the hole moves to the boundary
+            j = self.decoding - 1
+            if i != j:
+                self.order[i] = self.order[j]
+                ops.append(Move(j, i))
+            self.decoding -= 1
+            i = j
+        last = len(self.order) - 1
+        if i != last:
+            self.order[i] = self.order[last]
+            ops.append(Move(last, i))
+        self.order.pop()
+        return ops
+
+    def decoding_requests(self) -> list[Request]:
+        return self.order[:self.decoding]
+
+    def prefilling_requests(self) -> list[Request]:
+        return self.order[self.decoding:]
+
+
+class Scheduler:
+    def __init__(self, executor, cfg: K2Config, *, max_slots: int, max_context: int,
+                 stop_ids: tuple[int, ...] = (), prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 mask_budget: int = MASK_BUDGET):
+        if max_slots < 1 or prefill_chunk < 1:
+            raise K2Error(f"slots and prefill chunk must be >= 1, got {max_slots} and {prefill_chunk}")
+        self.executor, self.cfg = executor, cfg
+        self.max_slots, self.max_context, self.stop_ids = max_slots, max_context, tuple(stop_ids)
+        self.prefill_chunk, self.mask_budget = prefill_chunk, mask_budget
+        self.waiting: deque[Request] = deque()
+        self.layout = SlotLayout()
+        self.rows = self.capacity = 0
+        self._ops: list[SlotOp] = []
+        self.timings = Timings()
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def check(self, req: Request, name: str = "the prompt") -> None:
+        """Every error a request can have, raised before any work."""
+        if req.max_new_tokens < 1:
+            raise K2Error(f"max new tokens must be >= 1, got {req.max_new_tokens}")
+        if not req.prompt:
+            raise K2Error(f"{name} is empty")
+        bad = [t for t in req.prompt if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise K2Error(f"{name} has token id {bad[0]} outside the vocabulary (size {self.cfg.vocab_size})")
+        if len(req.prompt) + req.max_new_tokens > self.max_context:
+            raise K2Error(f"{name} has {len(req.prompt)} tokens; with {req.max_new_tokens} new tokens that "
+                          f"exceeds the context limit of {self.max_context}")
+        req.sampling.validate()
+
+    def submit(self, req: Request) -> Request:
+        self.check(req)
+        self.waiting.append(req)
+        return req
+
+    @property
+    def running(self) -> list[Request]:
+        return list(self.layout.order)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or len(self.layout))
+
+    def cancel(self, req: Request) -> None:
+        req.cancelled = True  # a flag: the scheduler's own thread frees the slot at its next iteration
+
+    # ---- one iteration -----------------------------------------------------------------------------------
+    def iteration(self) -> None:
+        self._drop_cancelled()
+        self._admit()
+        prefilling = self.layout.prefilling_requests()
+        if prefilling:
+            self._prefill_step(prefilling)
+        decoding = self.layout.decoding_requests()
+        if decoding:
+            self._decode_step(decoding)
+
+    def run_until_idle(self) -> None:
+        while self.has_work():
+            self.iteration()
+
+    def _drop_cancelled(self) -> None:
+        for req in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(req)
+            self._finish(req, FINISH_CANCELLED)
+        for req in [r for r in self.layout.order if r.cancelled]:
+            self._finish(req, FINISH_CANCELLED)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.layout) < self.max_slots:
+            self._ops += self.layout.add(self.waiting.popleft())
+
+    def _prefill_step(self, reqs: list[Request]) -> None:
+        chunk = self._chunk_size(reqs)
+        tokens = [r.prompt[r.fed:r.fed + chunk] for r in reqs]
+        sample = [r.fed + len(t) == len(r.prompt) for r, t in zip(reqs, tokens)]
+        ids = self._run(PREFILL, reqs, tokens, [r.cached for r in reqs], sample)
+        for r, t in zip(reqs, tokens):
+            r.fed += len(t)
+            r.cached += len(t)
+            if r.on_prefill:
+                r.on_prefill(r)
+        for r, tok in zip(reqs, ids):
+            if tok is not None:
+                self._ops += self.layout.promote(r)
+                self._accept(r, tok)
+
+    def _decode_step(self, reqs: list[Request]) -> None:
+        ids = self._run(DECODE, reqs, [[r.pending] for r in reqs], [r.cached for r in reqs], [True] * len(reqs))
+        for r, tok in zip(reqs, ids):
+            r.cached += 1
+            self._accept(r, tok)
+
+    def _run(self, kind: str, reqs: list[Request], tokens: list[list[int]], starts: list[int],
+             sample: list[bool]) -> list[int | None]:
+        self._size_cache(max(s + len(t) for s, t in zip(starts, tokens)))
+        plan = StepPlan(first=self.layout.slot(reqs[0]), tokens=tokens, starts=starts, sample=sample,
+                        rows=self.rows, capacity=self.capacity, kind=kind, ops=self._ops)
+        self._ops = []
+        t0 = time.perf_counter()
+        ids = self.executor.run(plan)
+        n = sum(len(t) for t in tokens) if kind == PREFILL else len(tokens)
+        self.timings.add_step(kind, time.perf_counter() - t0, n)
+        return ids
+
+    def _size_cache(self, step_needs: int) -> None:
+        """Rows and capacity for the next step: enough for every running request and this step's writes,
+        bucketed; shrunk only when far too big, since each change copies the cache."""
+        needed = max([step_needs] + [r.cached for r in self.layout.order])
+        if not self.capacity // 4 < needed <= self.capacity:
+            self.capacity = bucket(needed, self.max_context)
+        rows = len(self.layout)
+        if not self.rows // 4 < rows <= self.rows:
+            self.rows = bucket(rows, self.max_slots, minimum=1)
+
+    def _chunk_size(self, reqs: list[Request]) -> int:
+        """Prompt tokens per request in this step: the chunk, halved while the step's mask would exceed the
+        budget (the mask and the scores span the written positions, so long prompts take smaller chunks)."""
+        chunk = self.prefill_chunk
+        while chunk > 16:
+            need = max(r.cached + min(chunk, len(r.prompt) - r.fed) for r in reqs)
+            if len(reqs) * chunk * (bucket(need, self.max_context) + chunk) <= self.mask_budget:
+                break
+            chunk //= 2
+        return chunk
+
+    # ---- tokens and finishing ------------------------------------------------------------------------------
+    def _accept(self, req: Request, tok: int) -> None:
+        now = time.monotonic()
+        if req.first_token_at is None:
+            req.first_token_at = now
+        req.token_ids.append(tok)
+        req.pending = tok
+        if req.on_token:
+            req.on_token(req, tok)
+        if tok in self.stop_ids:
+            self._finish(req, FINISH_STOP_TOKEN)
+        elif req.stop_check is not None and req.stop_check(req.token_ids):
+            self._finish(req, FINISH_STOP_STRING)
+        elif len(req.token_ids) >= req.max_new_tokens:
+            self._finish(req, FINISH_LENGTH)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if req.done:
+            return
+        req.finish_reason, req.finished_at = reason, time.monotonic()
+        if any(r is req for r in self.layout.order):
+            self._ops += self.layout.remove(req)
+        if req.on_finish:
+            req.on_finish(req)
