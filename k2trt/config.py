@@ -192,6 +192,9 @@ def _parse(raw: dict[str, Any], source: str) -> K2Config:
     if missing:
         raise ConfigError(f"{source}: missing required field(s): {', '.join(missing)}")
 
+    if "q_lora_rank" in raw and raw["q_lora_rank"] is None:
+        raise ConfigError(f"{source}: q_lora_rank null (no q LoRA) is not supported; K2 uses q_lora_rank 1536")
+
     names = {f.name: f for f in dataclasses.fields(K2Config)}
     kwargs: dict[str, Any] = {}
     for key, f in names.items():
@@ -229,8 +232,6 @@ def _parse(raw: dict[str, Any], source: str) -> K2Config:
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise ConfigError(f"{source}: {key} must be a number, got {value!r}")
             kwargs[key] = float(value)
-    if isinstance(kwargs.get("q_lora_rank", 1), type(None)):
-        raise ConfigError(f"{source}: q_lora_rank null (no q LoRA) is not supported; K2 uses q_lora_rank 1536")
     cfg = K2Config(**kwargs)
     _validate(cfg, source)
     return cfg

@@ -45,6 +45,7 @@ def test_k2_config_round_trips_through_config_json(tmp_path):
     (lambda d: d.update(topk_method="greedy"), "topk_method 'greedy' is not supported"),
     (lambda d: d.update(num_hidden_layers="61"), "num_hidden_layers must be an integer"),
     (lambda d: d.update(hidden_size=7000), "hidden_size (7000) must be a multiple of 128"),
+    (lambda d: d.update(q_lora_rank=None), "q_lora_rank null (no q LoRA) is not supported"),
 ])
 def test_bad_config_gives_one_clear_error(tmp_path, edit, message):
     d = K2.to_hf_dict()

@@ -1,0 +1,89 @@
+"""The layers import one way: base -> config -> graphs -> checkpoint files -> export -> runtime -> tools.
+
+Every import of a k2trt module anywhere in a file (module level or inside a function) is an edge; an edge from a
+lower layer to a higher one fails, naming the file and the import. Every module must belong to a layer."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# package -> folder, as pyproject.toml maps them
+FOLDERS = {"k2trt": "k2trt", "k2trt.graphs": "graphs", "k2trt.export": "export", "k2trt.runtime": "runtime"}
+
+# (layer, module prefixes), lowest first. A module belongs to the layer of its longest matching prefix.
+LAYERS = [
+    ("base", ["k2trt", "k2trt.errors", "k2trt.files", "k2trt.atomic", "k2trt.dtypes"]),
+    ("config", ["k2trt.config"]),
+    ("graphs", ["k2trt.graphs"]),
+    ("checkpoint", ["k2trt.safetensors_io", "k2trt.checkpoint", "k2trt.checkpoint_writer"]),
+    ("export", ["k2trt.export"]),
+    ("runtime", ["k2trt.runtime"]),
+    ("tools", ["k2trt.tools", "k2trt.cli"]),
+]
+RANK = {name: i for i, (name, _) in enumerate(LAYERS)}
+
+
+def layer_of(module: str) -> str | None:
+    best = None
+    for name, prefixes in LAYERS:
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and (best is None or len(p) > len(best[1])):
+                # the bare package "k2trt" only claims itself, not its subpackages
+                if p == "k2trt" and module != "k2trt":
+                    continue
+                best = (name, p)
+    return best and best[0]
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for package, folder in FOLDERS.items():
+        base = ROOT / folder
+        for path in base.rglob("*.py"):
+            rel = path.relative_to(base).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            out[".".join([package, *parts])] = path
+    return out
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # `from k2trt.x import y` may import the submodule k2trt.x.y: count the deepest existing one
+            found += [(node.lineno, f"{node.module}.{a.name}") for a in node.names] + [(node.lineno, node.module)]
+    return [(line, name) for line, name in found if name == "k2trt" or name.startswith("k2trt.")]
+
+
+def test_every_module_has_a_layer():
+    unplaced = sorted(m for m in modules() if layer_of(m) is None)
+    assert not unplaced, f"modules without a layer: {unplaced}"
+
+
+def back_edges(known: dict[str, Path]) -> list[str]:
+    back = []
+    for module, path in known.items():
+        mine = RANK[layer_of(module)]
+        for line, name in imports(path):
+            if name not in known:  # `from k2trt.x import function`: the edge is to k2trt.x, listed separately
+                continue
+            if RANK[layer_of(name)] > mine:
+                back.append(f"{path}:{line} ({layer_of(module)}) imports {name} ({layer_of(name)})")
+    return back
+
+
+def test_imports_go_one_way():
+    back = back_edges(modules())
+    assert not back, "imports against the layers:\n" + "\n".join(back)
+
+
+def test_a_back_edge_is_caught(tmp_path):
+    """The check itself: a graphs module importing the runtime inside a function is reported."""
+    planted = tmp_path / "oops.py"
+    planted.write_text("def f():\n    from k2trt.runtime.generator import Generator\n")
+    back = back_edges({**modules(), "k2trt.graphs.oops": planted})
+    assert back == [f"{planted}:2 (graphs) imports k2trt.runtime.generator (runtime)"]
