@@ -11,6 +11,9 @@ DTYPE   ?= float32
 TORCH   ?= torch==2.13.0
 TORCH_INDEX ?=
 EXTRAS  ?= cpu,dev
+# make generate PIPELINE=2: the same generation as pipeline stages, one process each
+PIPELINE ?=
+PIPE    := $(if $(PIPELINE),--pipeline $(PIPELINE))
 
 .PHONY: install test tiny export generate chat bench bench-stream engines compare gpu-check clean
 
@@ -35,8 +38,8 @@ export: tiny
 	$(K2TRT) export --model $(TINY) --out $(ONNX) --dtype $(DTYPE)
 
 generate: export
-	$(K2TRT) generate --model $(TINY) --onnx $(ONNX) --prompt "The quick brown fox" --max-new-tokens 32
-	$(K2TRT) generate --model $(TINY) --onnx $(ONNX) --chat "Hello! Who are you?" --max-new-tokens 24 --temperature 0.8 --top-p 0.95 --seed 1
+	$(K2TRT) generate --model $(TINY) --onnx $(ONNX) --prompt "The quick brown fox" --max-new-tokens 32 $(PIPE)
+	$(K2TRT) generate --model $(TINY) --onnx $(ONNX) --chat "Hello! Who are you?" --max-new-tokens 24 --temperature 0.8 --top-p 0.95 --seed 1 $(PIPE)
 
 chat: export
 	$(K2TRT) chat --model $(TINY) --onnx $(ONNX)

@@ -16,7 +16,7 @@ from k2trt.graphs.fp8 import WEIGHT_DEQUANT
 from k2trt.graphs.mask import attention_mask, simple_mask
 from k2trt.graphs.ops import TorchOps
 from k2trt.graphs.rope import rope_tables
-from k2trt.graphs.weights import as_graph_input
+from k2trt.graphs.weights import as_graph_input, embedding_weight_specs, head_weight_specs
 
 
 def to_compute(w: dict, act: torch.dtype) -> dict:
@@ -40,12 +40,13 @@ class ReferenceModel:
         self.activation_quant = activation_quant
         self._cache_weights = cache_weights
         self._layer_w: dict[int, dict] = {}
-        self._global_w: dict | None = None
+        self._global_w: dict = {}
 
-    @property
-    def _globals(self) -> dict:
-        if self._global_w is None:
-            self._global_w = to_compute(self.weights.globals(), self.ops.act)
+    def _globals(self, *names: str) -> dict:
+        """The named global tensors, read on first use (a pipeline stage reads only its own)."""
+        missing = [n for n in names if n not in self._global_w]
+        if missing:
+            self._global_w.update(to_compute(self.weights.globals(missing), self.ops.act))
         return self._global_w
 
     def layer_weights(self, layer: int) -> dict:
@@ -58,7 +59,8 @@ class ReferenceModel:
 
     @torch.no_grad()
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return blocks.embedding(self.ops, input_ids, self._globals)
+        return blocks.embedding(self.ops, input_ids,
+                                self._globals(*(s.name for s in embedding_weight_specs(self.cfg))))
 
     @torch.no_grad()
     def block(self, layer: int, hidden, rope_cos, rope_sin, mask, latent_cache):
@@ -69,7 +71,7 @@ class ReferenceModel:
 
     @torch.no_grad()
     def head(self, hidden):
-        return blocks.head(self.ops, self.cfg, hidden, self._globals)
+        return blocks.head(self.ops, self.cfg, hidden, self._globals(*(s.name for s in head_weight_specs(self.cfg))))
 
     # ---- whole-model conveniences -----------------------------------------------------------------
     @torch.no_grad()

@@ -110,9 +110,10 @@ class Checkpoint:
         prefix = layer_prefix(i)
         return {name[len(prefix):]: self.tensor(name) for name in self.weight_map if name.startswith(prefix)}
 
-    def globals(self) -> dict[str, torch.Tensor]:
-        """The tensors outside the layers (embeddings, final norm, lm_head), zero-copy."""
-        return {name: self.tensor(name) for name in self.weight_map if not name.startswith("model.layers.")}
+    def globals(self, names=None) -> dict[str, torch.Tensor]:
+        """The tensors outside the layers (embeddings, final norm, lm_head), zero-copy; only `names` when given."""
+        wanted = [n for n in self.weight_map if not n.startswith("model.layers.")] if names is None else names
+        return {name: self.tensor(name) for name in wanted}
 
     def block_weights(self, i: int) -> dict[str, torch.Tensor]:
         """The weight inputs of layer i's block graph, in block_weight_specs order, routed experts stacked

@@ -20,6 +20,7 @@ COMMANDS = {
     "chat": ("k2trt.runtime.chat", "interactive chat with history"),
     "bench": ("k2trt.tools.bench", "prefill/decode tokens/s of the runtime against the torch reference"),
     "compare": ("k2trt.tools.compare.cli", "accuracy of each backend against the torch reference, via polygraphy"),
+    "plan": ("k2trt.tools.plan", "split the model over N devices as pipeline stages, by exact bytes"),
 }
 
 
@@ -43,18 +44,28 @@ def main(argv: list[str] | None = None) -> int:
     full = argparse.ArgumentParser(prog=f"k2trt {known.command}", description=COMMANDS[known.command][1])
     module.add_arguments(full)
     args = full.parse_args(argv[1:])
+    args.argv = argv  # a command that launches pipeline ranks starts them with the same arguments
     try:
         return int(module.run(args) or 0)
     except K2Error as e:
-        print(f"k2trt {known.command}: error: {e}", file=sys.stderr)
-        return 2
+        return _fail(known.command, str(e))
     except OSError as e:  # a path the user gave that cannot be read or written
         where = f": {e.filename}" if e.filename else ""
-        print(f"k2trt {known.command}: error: {e.strerror or e}{where}", file=sys.stderr)
-        return 2
+        return _fail(known.command, f"{e.strerror or e}{where}")
     except KeyboardInterrupt:
         print(f"k2trt {known.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _fail(command: str, message: str) -> int:
+    """One line for the user. A pipeline rank our launcher started tells the launcher instead, which prints the
+    first failure of all its ranks once."""
+    from k2trt.runtime.distributed.world import report_to_launcher
+
+    if report_to_launcher(message):
+        return 2
+    print(f"k2trt {command}: error: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

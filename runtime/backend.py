@@ -23,9 +23,9 @@ class WeightSource(Protocol):
 
     config: K2Config
 
-    def globals(self) -> dict[str, torch.Tensor]:
-        """The tensors outside the layers, by full name: model.embed_tokens.weight, model.norm.weight,
-        lm_head.weight."""
+    def globals(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """The tensors outside the layers, by full name (model.embed_tokens.weight, model.norm.weight,
+        lm_head.weight): only `names` when given, so a pipeline stage reads only the files it needs."""
 
     def block_weights(self, layer: int) -> dict[str, torch.Tensor]:
         """One layer's block-graph weight inputs (checkpoint suffixes, routed experts stacked [E, ...] by

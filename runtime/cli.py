@@ -8,7 +8,7 @@ import json
 import sys
 
 from k2trt.errors import K2Error
-from k2trt.runtime.loader import add_model_arguments, load, make_generator
+from k2trt.runtime.loader import add_model_arguments, launch_if_asked, load, make_generator
 from k2trt.runtime.sampling import SamplingParams
 
 
@@ -19,6 +19,8 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID",
+                   help="also stop at this token id (repeatable), besides [EOS] and <|im_end|>")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -108,10 +110,16 @@ def run(args) -> int:
     params = sampling_from(args)
     if args.max_new_tokens < 1:
         raise K2Error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    launched = launch_if_asked(args)
+    if launched is not None:
+        return launched
     loaded = load(args)
+    if loaded.follower:  # a pipeline rank other than 0: run rank 0's steps until it is done
+        loaded.session.follow()
+        return 0
     tok = loaded.tokenizer
     prompts = encode_requests(tok, args)
-    gen = make_generator(loaded, args.max_context)
+    gen = make_generator(loaded, args.max_context, extra_stop_ids=args.stop_token_id)
     stops = StopStrings(tok, args.stop)
     # one request streams as it goes; a batch prints each sequence when all are done
     printer = StreamPrinter(tok.stream_decoder(), stops.stops) if len(prompts) == 1 and not args.json else None
@@ -122,6 +130,7 @@ def run(args) -> int:
 
     results, timings = gen.generate(prompts, args.max_new_tokens, params, on_token=on_token,
                                     stop_check=stops if stops.stops else None)
+    loaded.close()
     texts = [stops.cut(tok.decode(visible_ids(r.token_ids, gen.stop_ids))) for r in results]
     t = timings.as_dict()
     if args.json:
@@ -136,6 +145,7 @@ def run(args) -> int:
             print(f"--- [{i}] {text}")
     new = sum(len(r.token_ids) for r in results)
     reasons = ", ".join(sorted({r.finish_reason for r in results}))
-    print(f"[{loaded.backend.name}] prompt tokens {sum(len(p) for p in prompts)}, new tokens {new} ({reasons}); "
+    where = f"{loaded.backend.name}, {loaded.session.world.size} stages" if loaded.session else loaded.backend.name
+    print(f"[{where}] prompt tokens {sum(len(p) for p in prompts)}, new tokens {new} ({reasons}); "
           f"prefill {t['prefill_tokens_per_s']} tok/s, decode {t['decode_tokens_per_s']} tok/s", file=sys.stderr)
     return 0

@@ -13,6 +13,16 @@ from k2trt.graphs.weight_prep import preparation
 from k2trt.graphs.weights import as_graph_input
 
 
+def source_names(entry: dict) -> list[str]:
+    """The weight-source tensors a graph's weight inputs are made from."""
+    names = []
+    for name in entry["weights"]:
+        for s in entry["prep"].get(name, {"from": [name]})["from"]:
+            if s not in names:
+                names.append(s)
+    return names
+
+
 def graph_weights(entry: dict, source: dict, dtype: torch.dtype, device=None) -> dict[str, torch.Tensor]:
     """The weight inputs of `entry`'s graph for one layer. Sources move to `device` first, so preparation
     (dequantizing, transposing, interleaving) runs there."""

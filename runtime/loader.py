@@ -1,5 +1,6 @@
 """From command-line choices to a ready checkpoint, tokenizer and backend: the one place that checks that they
-belong together. The backend itself comes from the factory (runtime/backends.py)."""
+belong together. The backend itself comes from the factory (runtime/backends.py); under a pipeline
+(`--pipeline N` or torchrun) each rank binds only its stage, and every rank but 0 follows rank 0's steps."""
 
 from __future__ import annotations
 
@@ -18,6 +19,17 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     add_backend_arguments(p)
     p.add_argument("--max-context", type=int, default=None,
                    help="refuse prompts + new tokens longer than this (default: the model's maximum)")
+    add_pipeline_arguments(p)
+
+
+def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("pipeline parallelism")
+    g.add_argument("--pipeline", type=int, default=None, metavar="N",
+                   help="run as N pipeline stages on this machine, one process each (across nodes: torchrun)")
+    g.add_argument("--stages", default=None, metavar="COUNTS",
+                   help="blocks per stage, e.g. 2,2 (default: split by bytes, see `k2trt plan`)")
+    g.add_argument("--dist-timeout", type=float, default=None, metavar="SECONDS",
+                   help="how long a step may wait for another rank before giving up (default 120)")
 
 
 @dataclass
@@ -25,10 +37,28 @@ class Loaded:
     backend: Backend
     tokenizer: object
     checkpoint: object
+    session: object = None  # a pipeline rank's RankSession, or None in a single process
 
     @property
     def config(self):
         return self.checkpoint.config
+
+    @property
+    def executor(self):
+        """What the scheduler runs steps on: rank 0's pipeline executor, or None (a local StageExecutor)."""
+        return self.session.leader if self.session is not None else None
+
+    @property
+    def follower(self) -> bool:
+        return self.session is not None and self.session.leader is None
+
+    def close(self) -> list | None:
+        """End the pipeline (rank 0): every rank leaves its loop; -> each rank's timings."""
+        if self.session is None or self.session.leader is None:
+            return None
+        stats = self.session.shutdown()
+        self.session.world.close()
+        return stats
 
 
 def open_model(model_dir: Path):
@@ -56,15 +86,41 @@ def progress_line(prefix: str, stream=sys.stderr):
     return show
 
 
-def load(args, choice: BackendChoice | None = None) -> Loaded:
+def load(args, choice: BackendChoice | None = None, command: str = "generate") -> Loaded:
+    from k2trt.runtime.distributed.world import DEFAULT_TIMEOUT_S, launched
+
     choice = choice or choice_from_args(args)
     ckpt, tok = open_model(args.model)
+    if launched():
+        from k2trt.runtime.distributed.placement import parse_counts
+        from k2trt.runtime.distributed.session import load_rank
+
+        counts = parse_counts(args.stages) if getattr(args, "stages", None) else None
+        backend, session = load_rank(ckpt, choice, counts, getattr(args, "dist_timeout", None) or DEFAULT_TIMEOUT_S)
+        return Loaded(backend, tok, ckpt, session)
     backend = open_backend(choice, ckpt)
-    backend.prepare(progress=progress_line(f"k2trt {getattr(args, 'command', 'generate')}"))
+    backend.prepare(progress=progress_line(f"k2trt {command}"))
     return Loaded(backend, tok, ckpt)
 
 
-def make_generator(loaded: Loaded, max_context: int | None):
+def launch_if_asked(args) -> int | None:
+    """`--pipeline N` in the user's own process: start the N ranks and return their exit status; None when this
+    process is itself the work (no --pipeline, or already a rank)."""
+    from k2trt.runtime.distributed.world import launched
+
+    n = getattr(args, "pipeline", None)
+    if n is None or launched():
+        return None
+    if n < 1:
+        raise K2Error(f"--pipeline must be >= 1, got {n}")
+    from k2trt.runtime.distributed.launch import run_pipeline
+
+    return run_pipeline(args.argv, n)
+
+
+def make_generator(loaded: Loaded, max_context: int | None, extra_stop_ids=()):
     from k2trt.runtime.generator import Generator
 
-    return Generator(loaded.backend, loaded.config, stop_ids=tuple(loaded.tokenizer.stop_ids), max_context=max_context)
+    stop_ids = tuple(loaded.tokenizer.stop_ids) + tuple(extra_stop_ids)
+    return Generator(loaded.backend, loaded.config, stop_ids=stop_ids, max_context=max_context,
+                     executor=loaded.executor)

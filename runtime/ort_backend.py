@@ -19,7 +19,7 @@ from k2trt.errors import K2Error, MissingDependency
 from k2trt.export.manifest import check_matches, graph_file, read_manifest
 from k2trt.graphs.fp8 import WEIGHT_DEQUANT
 from k2trt.runtime.backend import BackendLimits, Progress, WeightSource, prepare_order
-from k2trt.runtime.graph_weights import graph_weights
+from k2trt.runtime.graph_weights import graph_weights, source_names
 
 KINDS = ("embedding", "dense_block", "moe_block", "head")
 
@@ -100,16 +100,13 @@ class OrtBackend:
         self._session_s = 0.0
         self._values: OrderedDict = OrderedDict()  # id(tensor) -> (tensor, OrtValue), see _value_of
         self._bound: dict = {}
-        self._globals: dict | None = None
 
     # ---- weights ------------------------------------------------------------------------------------
     def _prepared_weights(self, kind: str, layer: int | None) -> dict[str, torch.Tensor]:
         """The weight inputs of `kind`'s ORT graph for one layer (None: the embedding/head globals), prepared
         as the manifest says: dequantized, transposed, interleaved or cast."""
-        if layer is None:
-            if self._globals is None:
-                self._globals = self.weights.globals()
-            source = self._globals
+        if layer is None:  # the embedding or the head: only the tensors its graph reads
+            source = self.weights.globals(source_names(self.entries[kind]))
         else:
             source = self.weights.block_weights(layer)
         return graph_weights(self.entries[kind], source, self.act_dtype)

@@ -28,8 +28,8 @@ class OneTensorScaled:
         self.inner, self.layer, self.name, self.factor = inner, layer, name, factor
         self.config = inner.config
 
-    def globals(self):
-        return self.inner.globals()
+    def globals(self, names=None):
+        return self.inner.globals(names)
 
     def block_weights(self, layer):
         w = self.inner.block_weights(layer)

@@ -108,8 +108,9 @@ class RandomWeights:
     def layer(self, layer: int) -> dict[str, torch.Tensor]:
         return dict(layer_tensors(self.config, layer, self._gen(layer + 1)))
 
-    def globals(self) -> dict[str, torch.Tensor]:
-        return global_tensors(self.config, self._gen(0))
+    def globals(self, names=None) -> dict[str, torch.Tensor]:
+        made = global_tensors(self.config, self._gen(0))
+        return made if names is None else {n: made[n] for n in names}
 
     def block_weights(self, layer: int) -> dict[str, torch.Tensor]:
         tensors = self.layer(layer)

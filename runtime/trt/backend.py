@@ -25,7 +25,7 @@ from k2trt.export.block_graphs import KINDS
 from k2trt.export.manifest import read_manifest
 from k2trt.dtypes import torch_dtype
 from k2trt.runtime.backend import BackendLimits, Progress, WeightSource, prepare_order
-from k2trt.runtime.graph_weights import graph_weights
+from k2trt.runtime.graph_weights import graph_weights, source_names
 from k2trt.runtime.trt import engine_manifest as EM
 from k2trt.runtime.trt import environment
 from k2trt.runtime.trt.profiles import check_call_shape, eval_dim, profile_index
@@ -142,7 +142,6 @@ class TrtBackend:
         self.stream = torch.cuda.Stream(self.device)
         self.weights = weights
         self._bound: dict = {}
-        self._globals = None
         self.arena = OutputArena(self.device)
         self.graphs = DecodeGraphs(self) if cuda_graphs else None
 
@@ -151,10 +150,8 @@ class TrtBackend:
         if key not in self._bound:
             if isinstance(key, int):
                 source = self.weights.block_weights(key)
-            else:
-                if self._globals is None:
-                    self._globals = self.weights.globals()
-                source = self._globals
+            else:  # the embedding or the head: only the tensors its engine reads
+                source = self.weights.globals(source_names(self.engines[kind].entry))
             self._bound[key] = upload_weights(self.engines[kind].entry, source, self.act_dtype, self.device)
         return self._bound[key]
 

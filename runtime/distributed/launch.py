@@ -1,0 +1,102 @@
+"""`--pipeline N` on one machine: start N ranks of the same command, watch them, end them together.
+
+This process hosts the store the ranks meet through (so it outlives them and can read why one failed), starts
+each rank as `python -m k2trt.cli <the same arguments>` with RANK / WORLD_SIZE / LOCAL_RANK set (rank 0 keeps the
+terminal; the others print nothing unless something fails), and waits. The first rank that exits non-zero ends all
+the others (SIGTERM, then SIGKILL after a grace period), and this process prints one line: which rank, and the
+reason it wrote to the store (or the signal that killed it). Across nodes, torchrun starts the same command on
+every rank instead (docs/ARCHITECTURE.md), and the ranks meet through its store.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+from k2trt.errors import K2Error
+from k2trt.runtime.distributed.world import STORE_ENV, failure_key, first_failure
+
+GRACE_S = 5.0
+
+
+def strip_pipeline_flag(argv: list[str]) -> list[str]:
+    """The command line without --pipeline N (a rank runs its part, it does not launch)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--pipeline":
+            skip = True
+        elif not a.startswith("--pipeline="):
+            out.append(a)
+    return out
+
+
+def _rank_env(rank: int, size: int, store_port: int) -> dict:
+    env = dict(os.environ)
+    env.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(size),
+               MASTER_ADDR="127.0.0.1", **{STORE_ENV: f"127.0.0.1:{store_port}"})
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: loopback, whatever the hostname resolves to
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // size)))
+    return env
+
+
+def _failure(store, rank: int) -> str | None:
+    try:
+        if store.check([failure_key(rank)]):
+            return store.get(failure_key(rank)).decode()
+    except Exception:
+        pass
+    return None
+
+
+def _end(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def run_pipeline(argv: list[str], size: int) -> int:
+    """Run `k2trt <argv>` as `size` ranks on this machine; returns the exit status (raises K2Error on failure)."""
+    import torch.distributed as dist
+
+    if size < 1:
+        raise K2Error(f"--pipeline must be >= 1, got {size}")
+    store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))
+    cmd = [sys.executable, "-m", "k2trt.cli", *strip_pipeline_flag(argv)]
+    procs = []
+    try:
+        for r in range(size):
+            quiet = {} if r == 0 else {"stdout": subprocess.DEVNULL}
+            procs.append(subprocess.Popen(cmd, env=_rank_env(r, size, store.port), **quiet))
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                time.sleep(0.3)  # let the others' reasons land before choosing the first
+                break
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        _end(procs)
+        return 130
+    _end(procs)
+    first = first_failure({r: m for r in range(size) if (m := _failure(store, r))})
+    if first:
+        raise K2Error(f"rank {first[0]}: {first[1]}")
+    r, code = failed[0]
+    why = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+    raise K2Error(f"rank {r} {why}")

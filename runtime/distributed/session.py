@@ -1,0 +1,96 @@
+"""One rank's life in a pipeline: join, open only its stage's tensors, bind them with progress, wait until every
+rank is ready, then lead (rank 0: the command runs with a PipelineExecutor) or follow (every other rank)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+from k2trt.graphs.weights import checkpoint_specs
+from k2trt.runtime.backends import BackendChoice, open_backend
+from k2trt.runtime.distributed import placement as P
+from k2trt.runtime.distributed.pipeline import PipelineExecutor, follow
+from k2trt.runtime.distributed.progress import LoadReporter, ProgressBoard, ready_key
+from k2trt.runtime.distributed.world import LOAD_TIMEOUT_S, World, join
+from k2trt.runtime.executor import StageExecutor
+
+UNLIMITED = 1 << 62  # no memory check on the split itself: the backend fails loudly if a stage does not fit
+
+
+def stats_key(rank: int) -> str:
+    return f"k2trt/stats/{rank}"
+
+
+@dataclass
+class RankStats:
+    backend_s: float  # inside this rank's backend calls
+    transfer_s: float  # inside this rank's sends, receives and broadcasts
+
+
+def stage_split(cfg, size: int, counts: list[int] | None) -> P.Plan:
+    """The stages by the bytes the weight table gives: no rank reads another stage's files (each tensor is
+    checked against the same table when its own stage reads it)."""
+    return P.plan_stages(P.items_from_config(cfg, 0), size, UNLIMITED, 0, counts)
+
+
+def cpu_threads(world_size_here: int) -> int:
+    """Threads per rank when several ranks share this machine's cores."""
+    return max(1, (os.cpu_count() or 1) // max(1, world_size_here))
+
+
+@dataclass
+class RankSession:
+    world: World
+    stage: P.Stage
+    executor: StageExecutor
+    leader: PipelineExecutor | None  # rank 0
+
+    def follow(self) -> None:
+        part = follow(self.world, self.executor)
+        self._publish(RankStats(self.executor.clock.backend_s, part.transport.seconds))
+
+    def shutdown(self) -> list[RankStats]:
+        """Rank 0: end every rank's loop, then gather their timings (their own counters, through the store)."""
+        self.leader.shutdown()
+        mine = RankStats(self.executor.clock.backend_s, self.leader.transfer_seconds)
+        keys = [stats_key(r) for r in range(1, self.world.size)]
+        self.world.wait_for(keys, self.world.timeout_s)
+        return [mine] + [RankStats(**json.loads(self.world.store.get(k))) for k in keys]
+
+    def _publish(self, stats: RankStats) -> None:
+        self.world.store.set(stats_key(self.world.rank), json.dumps(stats.__dict__))
+
+
+def load_rank(ckpt, choice: BackendChoice, counts: list[int] | None, timeout_s: float
+              ) -> tuple[object, RankSession]:
+    """Join, bind this rank's stage, wait for every rank. -> (backend, session)."""
+    world = join(timeout_s, use_cuda=choice.name == "trt")
+    cfg = ckpt.config
+    plan = stage_split(cfg, world.size, counts)
+    stage = plan.stages[world.rank]
+    if choice.name != "trt":  # ranks on one machine share its cores
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world.size))
+        torch.set_num_threads(cpu_threads(local_world))
+        choice = replace(choice, threads=choice.threads or cpu_threads(local_world))
+    else:
+        choice = replace(choice, device=world.local_rank)
+    sizes = P.load_sizes(cfg, checkpoint_specs(cfg))
+    order = (["embedding"] if stage.first else []) + stage.layers + (["head"] if stage.last else [])
+    reporter = LoadReporter(world, [sizes[k] for k in order])
+    board = ProgressBoard(world) if world.first else None
+    try:
+        if board:
+            board.__enter__()
+        backend = open_backend(choice, ckpt)
+        backend.prepare(stage.layers, embedding=stage.first, head=stage.last, progress=reporter)
+        reporter.ready()
+        world.wait_for([ready_key(r) for r in range(world.size)], LOAD_TIMEOUT_S)
+    finally:
+        if board:
+            board.__exit__(None, None, None)
+    executor = StageExecutor(backend, cfg, stage.layers, first=stage.first, last=stage.last)
+    leader = PipelineExecutor(world, executor) if world.first else None
+    return backend, RankSession(world, stage, executor, leader)

@@ -1,0 +1,155 @@
+"""The processes of a pipeline: who this rank is, how they meet, and how one rank's failure reaches the others.
+
+A rank learns its place from the environment torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT), or from our own launcher (runtime/distributed/launch.py), which also hosts the key-value store
+(K2TRT_STORE=host:port) and so outlives the ranks. Through the store every rank reports its loading progress and,
+if it fails, one line saying why; the step traffic goes over process groups: gloo for the plans and the sampled
+ids (CPU tensors), and NCCL for the hidden states when the ranks run on GPUs (gloo on a CPU). Every collective
+has a timeout, so a rank that dies or hangs cannot keep the others waiting for ever.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from k2trt.errors import K2Error
+
+STORE_ENV = "K2TRT_STORE"  # host:port of the store our launcher hosts
+DEFAULT_TIMEOUT_S = 120.0  # any one collective or transfer of a step
+LOAD_TIMEOUT_S = 24 * 3600.0  # loading a stage of the real model takes many minutes: waited on with progress
+
+
+def launched() -> bool:
+    """Whether this process is one rank of a pipeline of more than one (torchrun's or our launcher's)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def failure_key(rank: int) -> str:
+    return f"k2trt/failed/{rank}"
+
+
+def failure_record(message: str) -> str:
+    return json.dumps({"at": time.time(), "message": message})
+
+
+def first_failure(records: dict[int, str]) -> tuple[int, str] | None:
+    """(rank, message) of the earliest failure: the cause; later ones are ranks that lost contact with it."""
+    if not records:
+        return None
+    parsed = {r: json.loads(v) for r, v in records.items()}
+    r = min(parsed, key=lambda k: parsed[k]["at"])
+    return r, parsed[r]["message"]
+
+
+def report_to_launcher(message: str) -> bool:
+    """Write this rank's failure where our launcher reads it (before or after joining). False if not launched
+    by it (torchrun): the rank then prints its own line."""
+    hosted, rank = os.environ.get(STORE_ENV), os.environ.get("RANK")
+    if not hosted or rank is None:
+        return False
+    try:
+        host, port = hosted.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), int(os.environ.get("WORLD_SIZE", "1")), is_master=False,
+                              timeout=timedelta(seconds=5))
+        store.set(failure_key(int(rank)), failure_record(message))
+    except Exception:  # the launcher is gone: nobody is left to tell
+        pass
+    return True
+
+
+@dataclass
+class World:
+    rank: int
+    size: int
+    local_rank: int
+    store: dist.Store
+    cpu_group: object  # gloo: plans, sampled ids
+    device_group: object  # hidden states: NCCL between GPUs, gloo on CPUs
+    timeout_s: float
+
+    @property
+    def first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def last(self) -> bool:
+        return self.rank == self.size - 1
+
+    # ---- failures: one line per failing rank, in the store -------------------------------------------
+    def failures(self) -> dict[int, str]:
+        """rank -> failure record, of every rank that has written one."""
+        found = {}
+        for r in range(self.size):
+            try:
+                if self.store.check([failure_key(r)]):
+                    found[r] = self.store.get(failure_key(r)).decode()
+            except Exception:  # the store's host is gone with the pipeline
+                pass
+        return found
+
+    def raise_if_failed(self) -> None:
+        first = first_failure(self.failures())
+        if first:
+            raise K2Error(f"rank {first[0]} failed: {first[1]}")
+
+    def lost_contact(self, error: Exception) -> K2Error:
+        """The one line for a step that failed because another rank went away: its reason if it wrote one."""
+        time.sleep(0.5)  # a failing rank writes its reason before its sockets close
+        first = first_failure(self.failures())
+        if first:
+            return K2Error(f"rank {first[0]} failed: {first[1]}")
+        return K2Error(f"lost contact with the pipeline ({str(error).splitlines()[0][:200]})")
+
+    def wait_for(self, keys: list[str], timeout_s: float, on_wait=None) -> None:
+        """Wait until every key is set, watching for failures; on_wait() is called about every second."""
+        end = time.monotonic() + timeout_s
+        while True:
+            self.raise_if_failed()
+            if self.store.check(keys):
+                return
+            if time.monotonic() > end:
+                missing = [k for k in keys if not self.store.check([k])]
+                raise K2Error(f"timed out after {timeout_s:.0f} s waiting for {', '.join(missing)}")
+            if on_wait:
+                on_wait()
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _store(rank: int, size: int, timeout: timedelta) -> dist.Store:
+    hosted = os.environ.get(STORE_ENV)
+    if hosted:  # our launcher hosts the store: every rank is a client
+        host, port = hosted.rsplit(":", 1)
+        return dist.TCPStore(host, int(port), size, is_master=False, timeout=timeout)
+    from torch.distributed import rendezvous  # torchrun: rank 0 or the elastic agent hosts it
+
+    store, _, _ = next(rendezvous("env://", rank=rank, world_size=size, timeout=timeout))
+    return store
+
+
+def join(timeout_s: float = DEFAULT_TIMEOUT_S, use_cuda: bool = False) -> World:
+    """Join the pipeline this process was launched into."""
+    try:
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    except (KeyError, ValueError):
+        raise K2Error("RANK and WORLD_SIZE must be set for a pipeline rank (use --pipeline N or torchrun)") from None
+    timeout = timedelta(seconds=timeout_s)
+    store = _store(rank, size, timeout)
+    if use_cuda:
+        torch.cuda.set_device(local_rank)  # before any engine is deserialized: it belongs to the current device
+    backend = "nccl" if use_cuda else "gloo"
+    dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=size,
+                            timeout=timeout)
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if use_cuda else dist.group.WORLD
+    return World(rank, size, local_rank, store, cpu_group, dist.group.WORLD, timeout_s)

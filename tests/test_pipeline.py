@@ -1,0 +1,244 @@
+"""Many devices on a CPU: the placement planner at K2 size, and pipeline stages as real processes over gloo.
+
+Greedy and seeded tokens of a ragged batch (with an early stop token and a stop string) must equal the single
+process's at world sizes 1, 2 and 3; a rank that fails ends every rank with one line; torchrun runs the same
+command."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from k2trt.config import K2Config
+from k2trt.errors import K2Error
+from k2trt.runtime.distributed import placement as P
+
+K2TRT = [sys.executable, "-m", "k2trt.cli"]
+PROMPTS = ["The quick brown fox jumps over", "Hello", "Zwölf Boxkämpfer jagen Viktor quer über den großen Sylter Deich."]
+
+
+# ---- placement --------------------------------------------------------------------------------------------
+
+def k2_items(max_context=4096, max_batch=1):
+    cfg = K2Config.preset("kimi-k2")
+    return P.items_from_config(cfg, P.cache_bytes_per_layer(cfg, max_context, max_batch))
+
+
+def test_k2_on_8_h200_is_the_notes_plan():
+    plan = P.plan_stages(k2_items(), 8, P.parse_size("140GiB"))
+    assert plan.fits
+    assert [s.describe() for s in plan.stages] == [
+        "embedding + 0–7", "8–15", "16–23", "24–31", "32–39", "40–46", "47–53", "54–60 + head"]
+    assert plan.counts() == [8, 8, 8, 8, 8, 7, 7, 7]
+    assert 136e9 < plan.heaviest.bytes < 137e9  # 8 MoE blocks
+
+
+def test_k2_on_16_h100_is_twelve_stages_of_four_moe_blocks_and_four_of_three():
+    plan = P.plan_stages(k2_items(), 16, P.parse_size("79.6GiB"))
+    cfg = K2Config.preset("kimi-k2")
+    moe = [sum(cfg.is_moe_layer(i) for i in s.layers) for s in plan.stages]
+    assert plan.fits and sorted(moe) == [3] * 4 + [4] * 12
+    assert plan.stages[0].first and plan.stages[-1].last and 68e9 < plan.heaviest.bytes < 69e9
+
+
+def test_k2_on_4_h200_is_refused_with_the_smallest_count_that_fits(capsys):
+    from k2trt.cli import main
+
+    assert not P.plan_stages(k2_items(), 4, P.parse_size("140GiB")).fits
+    assert P.smallest_fitting(k2_items(), P.parse_size("140GiB"), P.DEFAULT_RESERVE, 5) == 8
+    rc = main(["plan", "--preset", "kimi-k2", "--devices", "4", "--device-memory", "140GiB"])
+    cap = capsys.readouterr()
+    assert rc == 2 and "embedding + 0–15" in cap.out
+    assert cap.err.strip().splitlines() == [cap.err.strip()] and "the smallest device count that fits is 8" in cap.err
+
+
+def test_explicit_split_is_validated_the_same_way(capsys):
+    from k2trt.cli import main
+
+    plan = P.plan_stages(k2_items(), 8, P.parse_size("140GiB"), counts=[8, 8, 8, 8, 8, 7, 7, 7])
+    assert plan.fits and plan.counts() == [8, 8, 8, 8, 8, 7, 7, 7]
+    assert not P.plan_stages(k2_items(), 8, P.parse_size("140GiB"), counts=[10, 8, 8, 8, 7, 7, 7, 6]).fits
+    with pytest.raises(K2Error, match="adding up to 61"):
+        P.plan_stages(k2_items(), 8, P.parse_size("140GiB"), counts=[8] * 8)
+    with pytest.raises(K2Error, match="gives 2 stages for 8 devices"):
+        P.plan_stages(k2_items(), 8, P.parse_size("140GiB"), counts=[30, 31])
+    rc = main(["plan", "--preset", "kimi-k2", "--devices", "8", "--device-memory", "140GiB",
+               "--stages", "10,8,8,8,7,7,7,6", "--json"])
+    cap = capsys.readouterr()
+    assert rc == 2 and json.loads(cap.out)["fits"] is False and "the smallest device count that fits is 8" in cap.err
+
+
+def test_plan_counts_the_cache_for_the_requested_context_and_batch():
+    small, big = k2_items(4096, 1), k2_items(131072, 8)
+    cfg = K2Config.preset("kimi-k2")
+    assert big[5].cache_bytes == 131072 * 8 * cfg.latent_dim * 2 and small[5].cache_bytes * 256 == big[5].cache_bytes
+    assert not P.plan_stages(big, 8, P.parse_size("140GiB")).fits  # 8 layers x 1.2 GB of cache tips it over
+
+
+@pytest.mark.parametrize("text, value", [("140GiB", 140 * 2**30), ("80GB", 80 * 10**9), ("1.5 TB", 15 * 10**11),
+                                         ("512", 512), ("79.6GiB", int(79.6 * 2**30))])
+def test_sizes_with_units(text, value):
+    assert P.parse_size(text) == value
+
+
+def test_a_size_without_a_known_unit_is_one_clear_line():
+    with pytest.raises(K2Error, match="is not a size"):
+        P.parse_size("140 gigs")
+
+
+def test_plan_from_a_checkpoint_reads_its_headers(tiny_ckpt, capsys):
+    from k2trt.cli import main
+
+    rc = main(["plan", "--model", str(tiny_ckpt), "--devices", "2", "--device-memory", "1GB", "--reserve", "0", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and [s["layers"] for s in out["stages"]] in ([[0, 1], [2, 3]], [[0, 1, 2], [3]], [[0], [1, 2, 3]])
+    from safetensors import safe_open
+
+    total = 0  # every tensor's bytes, as the official reader sees the files
+    for shard in Path(tiny_ckpt).glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as f:
+            for k in f.keys():
+                t = f.get_slice(k)
+                n = {"F8_E4M3": 1, "BF16": 2, "F32": 4}[t.get_dtype()]
+                for d in t.get_shape():
+                    n *= d
+                total += n
+    assert sum(s["weight_bytes"] for s in out["stages"]) == total
+
+
+# ---- pipeline runs ----------------------------------------------------------------------------------------
+
+def generate(tiny_ckpt, tiny_export, extra, timeout=240):
+    args = ["generate", "--model", str(tiny_ckpt), "--onnx", str(tiny_export), "--max-new-tokens", "12", "--json"]
+    for p in PROMPTS:
+        args += ["--prompt", p]
+    r = subprocess.run(K2TRT + args + extra, capture_output=True, text=True, timeout=timeout)
+    return r
+
+
+def results(r):
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [(x["token_ids"], x["finish_reason"]) for x in json.loads(r.stdout)["results"]]
+
+
+@pytest.fixture(scope="module")
+def single(tiny_ckpt, tiny_export):
+    """The single-process runs every pipeline run must reproduce, and the stop rules that make them ragged."""
+    free = results(generate(tiny_ckpt, tiny_export, []))
+    stop_id = free[1][0][4]  # prompt 1 stops early, at its fifth token
+    stop_text = None
+    from k2trt.runtime.tokenizer import KimiTokenizer
+
+    tok = KimiTokenizer.from_dir(tiny_ckpt)
+    text = tok.decode(free[2][0][:8])
+    stop_text = text[len(text) // 2:][:2] if text.strip() else None
+    rules = ["--stop-token-id", str(stop_id)] + (["--stop", stop_text] if stop_text else [])
+    greedy = results(generate(tiny_ckpt, tiny_export, rules))
+    seeded = results(generate(tiny_ckpt, tiny_export, rules + ["--temperature", "0.9", "--top-p", "0.95",
+                                                               "--seed", "7"]))
+    assert greedy[1][1] == "stop_token" and len(greedy[1][0]) <= 5
+    return rules, greedy, seeded
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_pipeline_tokens_equal_the_single_process(tiny_ckpt, tiny_export, single, world):
+    rules, greedy, seeded = single
+    assert results(generate(tiny_ckpt, tiny_export, rules + ["--pipeline", str(world)])) == greedy
+    if world == 2:
+        sampled = rules + ["--temperature", "0.9", "--top-p", "0.95", "--seed", "7", "--pipeline", "2"]
+        assert results(generate(tiny_ckpt, tiny_export, sampled)) == seeded
+
+
+@pytest.mark.slow
+def test_an_explicit_stage_split_gives_the_same_tokens(tiny_ckpt, tiny_export, single):
+    rules, greedy, _ = single
+    assert results(generate(tiny_ckpt, tiny_export, rules + ["--pipeline", "2", "--stages", "3,1"])) == greedy
+    r = generate(tiny_ckpt, tiny_export, ["--pipeline", "2", "--stages", "3,3"])
+    assert r.returncode == 2 and r.stderr.strip().endswith("must be positive block counts adding up to 4 "
+                                                           "(the model's blocks)")
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_a_failing_rank_ends_every_rank_with_one_line(tiny_ckpt, tiny_export, tmp_path):
+    """A shard only rank 1 reads is truncated: rank 1 fails while binding its layers, and every rank ends."""
+    from fixtures import clone
+
+    index = json.loads((Path(tiny_ckpt) / "model.safetensors.index.json").read_text())["weight_map"]
+    cfg = K2Config.from_json(tiny_ckpt)
+    from k2trt.runtime.distributed.session import stage_split
+
+    rank1 = set(stage_split(cfg, 2, None).stages[1].layers)
+
+    def owner(name):
+        return int(name.split(".")[2]) if name.startswith("model.layers.") else (0 if "embed" in name else "head")
+
+    shards = {}
+    for name, shard in index.items():
+        shards.setdefault(shard, set()).add(owner(name))
+    only_rank1 = sorted(s for s, owners in shards.items() if owners <= rank1 | {"head"})
+    assert only_rank1, shards
+    bad = clone(Path(tiny_ckpt), tmp_path / "ckpt", copy=(only_rank1[0],))
+    path = bad / only_rank1[0]
+    path.write_bytes(path.read_bytes()[:-1000])
+    t0 = time.monotonic()
+    r = subprocess.run(K2TRT + ["generate", "--model", str(bad), "--onnx", str(tiny_export), "--prompt", "Hi",
+                                "--pipeline", "2", "--dist-timeout", "20"], capture_output=True, text=True, timeout=180)
+    assert time.monotonic() - t0 < 120
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1, r.stderr[-3000:]
+    assert err[0].startswith("k2trt generate: error: rank 1: ") and only_rank1[0] in err[0], err
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_every_rank(tiny_ckpt, tiny_export):
+    """A rank that dies without a word (SIGKILL) still ends the run, naming it, within the timeout."""
+    import signal
+
+    args = ["generate", "--model", str(tiny_ckpt), "--onnx", str(tiny_export), "--prompt", "Hi",
+            "--max-new-tokens", "5000", "--max-context", "8000", "--pipeline", "2", "--dist-timeout", "20"]
+    proc = subprocess.Popen(K2TRT + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    victim = None
+    while victim is None and time.monotonic() < deadline:  # find rank 1 once it is generating
+        for pid in os.listdir("/proc"):
+            if pid.isdigit():
+                try:
+                    env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                except OSError:
+                    continue
+                if b"RANK=1" in env and any(e.startswith(b"K2TRT_STORE=") for e in env):
+                    victim = int(pid)
+        time.sleep(0.5)
+    assert victim is not None
+    time.sleep(8)  # loaded and stepping
+    os.kill(victim, signal.SIGKILL)
+    out, err = proc.communicate(timeout=90)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 2 and lines[-1].startswith("k2trt generate: error: rank 1 "), err[-2000:]
+    assert "signal 9" in lines[-1] or "lost contact" in lines[-1] or "rank 1 failed" in lines[-1]
+
+
+@pytest.mark.slow
+def test_torchrun_runs_the_same_command(tiny_ckpt, tiny_export, single):
+    rules, greedy, _ = single
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    assert torchrun, "torchrun ships with torch"
+    args = ["generate", "--model", str(tiny_ckpt), "--onnx", str(tiny_export), "--max-new-tokens", "12", "--json"]
+    for p in PROMPTS:
+        args += ["--prompt", p]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    r = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "k2trt.cli", *args, *rules],
+                       capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    # torchrun merges the ranks' output: only rank 0 printed anything
+    assert [(x["token_ids"], x["finish_reason"]) for x in json.loads(r.stdout.strip().splitlines()[-1])["results"]] \
+        == greedy
