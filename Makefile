@@ -10,7 +10,7 @@ DTYPE   ?= float32
 # Where pip would otherwise pick a CUDA build, set TORCH_INDEX to PyTorch's CPU wheel index.
 TORCH   ?= torch==2.13.0
 TORCH_INDEX ?=
-EXTRAS  ?= cpu,dev
+EXTRAS  ?= cpu,serve,dev
 # make generate PIPELINE=2: the same generation as pipeline stages, one process each
 PIPELINE ?=
 PIPE    := $(if $(PIPELINE),--pipeline $(PIPELINE))

@@ -20,6 +20,7 @@ COMMANDS = {
     "chat": ("k2trt.runtime.chat", "interactive chat with history"),
     "bench": ("k2trt.tools.bench", "prefill/decode tokens/s of the runtime against the torch reference"),
     "compare": ("k2trt.tools.compare.cli", "accuracy of each backend against the torch reference, via polygraphy"),
+    "serve": ("k2trt.runtime.serve.cli", "an OpenAI-compatible HTTP server with continuous batching"),
     "plan": ("k2trt.tools.plan", "split the model over N devices as pipeline stages, by exact bytes"),
 }
 

@@ -46,6 +46,7 @@ class Request:
     on_token: Callable[["Request", int], None] | None = None  # each kept token, as it is sampled
     on_finish: Callable[["Request"], None] | None = None
     on_prefill: Callable[["Request"], None] | None = None  # after each prompt chunk (progress of long prompts)
+    stop_ids: tuple[int, ...] = ()  # this request's own stop tokens, besides the scheduler's
     id: int = field(default_factory=lambda: next(_ids))
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -251,7 +252,7 @@ class Scheduler:
         req.pending = tok
         if req.on_token:
             req.on_token(req, tok)
-        if tok in self.stop_ids:
+        if tok in self.stop_ids or tok in req.stop_ids:
             self._finish(req, FINISH_STOP_TOKEN)
         elif req.stop_check is not None and req.stop_check(req.token_ids):
             self._finish(req, FINISH_STOP_STRING)

@@ -27,8 +27,9 @@ LOAD_TIMEOUT_S = 24 * 3600.0  # loading a stage of the real model takes many min
 
 
 def launched() -> bool:
-    """Whether this process is one rank of a pipeline of more than one (torchrun's or our launcher's)."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    """Whether this process is a pipeline rank: started by our launcher (even as the only stage), or one of
+    several started by torchrun."""
+    return bool(os.environ.get(STORE_ENV)) or int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def failure_key(rank: int) -> str:

@@ -1,0 +1,98 @@
+"""`k2trt serve --model DIR (--onnx DIR | --engines DIR) [--host 127.0.0.1 --port 8000] [--max-batch N]
+[--max-context N] [--pipeline N]`: an OpenAI-compatible server with continuous batching (runtime/serve/app.py).
+
+The model loads as for generate (one process, or pipeline stages with rank 0 serving HTTP), the scheduler runs in
+a thread of its own (engine.py), uvicorn serves. SIGTERM or ^C stops taking requests, lets those in flight finish
+for up to --shutdown-timeout seconds, cancels the rest and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+from k2trt.errors import K2Error
+from k2trt.runtime.loader import add_model_arguments, launch_if_asked, load
+
+DEFAULT_MAX_BATCH = 16
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one)")
+    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+                   help=f"sequence slots: requests decoded together (default {DEFAULT_MAX_BATCH})")
+    p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429 (default 256)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    p.add_argument("--max-body", type=int, default=4 << 20, help="largest request body in bytes (default 4 MiB)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests may take to finish on SIGTERM (default 10)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def run(args) -> int:
+    if args.max_batch < 1 or args.max_queue < 1:
+        raise K2Error("--max-batch and --max-queue must be >= 1")
+    if not 0 <= args.port < 65536:
+        raise K2Error(f"--port must be in 0..65535, got {args.port}")
+    try:
+        import uvicorn  # noqa: F401
+        import fastapi  # noqa: F401
+    except ImportError:
+        raise K2Error("serving needs fastapi and uvicorn (pip install 'k2trt[serve]')") from None
+    launched = launch_if_asked(args)
+    if launched is not None:
+        return launched
+    loaded = load(args, command="serve")
+    if loaded.follower:
+        loaded.session.follow()
+        return 0
+    try:
+        return serve(args, loaded)
+    finally:
+        loaded.close()
+
+
+def serve(args, loaded) -> int:
+    import uvicorn
+
+    from k2trt.runtime.executor import StageExecutor
+    from k2trt.runtime.generator import context_limit
+    from k2trt.runtime.scheduler import DEFAULT_PREFILL_CHUNK, Scheduler
+    from k2trt.runtime.serve.app import ServeConfig, create_app
+    from k2trt.runtime.serve.engine import Engine
+
+    cfg, backend = loaded.config, loaded.backend
+    max_context = context_limit(cfg, backend, args.max_context)
+    limits = backend.limits
+    slots = min(x for x in (args.max_batch, limits.max_batch) if x)
+    chunk = min(x for x in (DEFAULT_PREFILL_CHUNK, limits.max_tokens_per_step) if x)
+    executor = loaded.executor or StageExecutor(backend, cfg)
+    scheduler = Scheduler(executor, cfg, max_slots=slots, max_context=max_context,
+                          stop_ids=tuple(loaded.tokenizer.stop_ids), prefill_chunk=chunk)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    server_box = []
+    engine = Engine(scheduler, max_waiting=args.max_queue,
+                    on_error=lambda e: server_box and setattr(server_box[0], "should_exit", True)).start()
+    name = args.served_model_name or str(args.model)
+    app = create_app(engine, loaded.tokenizer, ServeConfig(name, max_context, args.max_body))
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
+    server = uvicorn.Server(config)
+    server_box.append(server)
+    # uvicorn stops gracefully on SIGINT/SIGTERM, then raises the signal again for the handlers it found: ours
+    # note it, so that a requested stop ends with status 0 (SIGTERM) or 130 (^C) instead of dying by the signal.
+    received: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda s, frame: received.append(s))
+    try:
+        server.run()
+    finally:
+        engine.stop()
+    if engine.error is not None:
+        raise K2Error(f"the engine stopped: {engine.error}")
+    return 130 if signal.SIGINT in received else 0

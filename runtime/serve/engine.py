@@ -1,0 +1,147 @@
+"""The scheduler in a thread of its own, fed by the HTTP handlers.
+
+Handlers (asyncio) submit requests into a thread-safe inbox and read their tokens from an asyncio queue each; the
+engine thread moves the inbox into the scheduler at every iteration, runs one iteration, and pushes each token
+(and the end) to its request's queue with `call_soon_threadsafe`. Cancelling sets a flag the scheduler honours at
+its next iteration, so the slot is free before the next step. A bounded queue of waiting requests makes the
+server refuse (429) instead of growing without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from k2trt.errors import K2Error
+from k2trt.runtime.scheduler import Request, Scheduler
+
+
+class QueueFull(K2Error):
+    """More requests wait than the server accepts: retry later (HTTP 429)."""
+
+
+class ShuttingDown(K2Error):
+    """The server is stopping (HTTP 503)."""
+
+
+END = None  # the last item of a request's queue
+
+
+@dataclass(eq=False)
+class Handle:
+    """One submitted request, as its handler sees it: its tokens arrive in `tokens`, then END."""
+
+    request: Request
+    tokens: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    token_times: list[float] = field(default_factory=list)
+
+    def cancel(self) -> None:
+        self.request.cancelled = True
+
+
+class Engine:
+    def __init__(self, scheduler: Scheduler, max_waiting: int = 256, idle_wait_s: float = 0.02,
+                 on_error=None, on_done=None):
+        self.scheduler = scheduler
+        self.on_done = on_done  # called (engine thread) with each handle whose request finished, however
+        self.max_waiting = max_waiting
+        self.idle_wait_s = idle_wait_s
+        self.on_error = on_error  # called with the exception if the engine thread dies
+        self._inbox: queue.SimpleQueue[Handle] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._stopping = False
+        self._handles: dict[int, Handle] = {}
+        self._thread = threading.Thread(target=self._loop, name="k2trt-engine", daemon=True)
+        self.error: BaseException | None = None
+        self.iterations = 0
+
+    # ---- the handlers' side ----------------------------------------------------------------------------
+    def start(self) -> "Engine":
+        self._thread.start()
+        return self
+
+    @property
+    def waiting(self) -> int:
+        return self._inbox.qsize() + len(self.scheduler.waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self.scheduler.layout)
+
+    def submit(self, request: Request, loop: asyncio.AbstractEventLoop) -> Handle:
+        """Queue a checked request (K2Error for a bad one, QueueFull, ShuttingDown) and return its handle."""
+        if self._stopping or self.error is not None:
+            raise ShuttingDown("the server is shutting down")
+        self.scheduler.check(request)
+        if self.waiting >= self.max_waiting:
+            raise QueueFull(f"{self.waiting} requests are waiting already")
+        handle = Handle(request, asyncio.Queue(), loop)
+        request.on_token = lambda req, tok, h=handle: self._push(h, tok)
+        request.on_finish = lambda req, h=handle: self._push(h, END)
+        self._inbox.put(handle)
+        self._wake.set()
+        return handle
+
+    def _push(self, handle: Handle, item) -> None:
+        if item is not END:
+            handle.token_times.append(time.monotonic())
+        try:
+            handle.loop.call_soon_threadsafe(handle.tokens.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop taking requests, cancel the ones in flight, end the thread."""
+        self._stopping = True
+        for h in list(self._handles.values()):
+            h.cancel()
+        deadline = time.monotonic() + timeout_s
+        while self._thread.is_alive() and self.scheduler.has_work() and time.monotonic() < deadline:
+            self._wake.set()
+            time.sleep(0.01)
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=max(0.1, deadline - time.monotonic()))
+
+    # ---- the engine thread ----------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._take_inbox()
+                if self.scheduler.has_work():
+                    self.scheduler.iteration()
+                    self.iterations += 1
+                else:
+                    self._wake.wait(self.idle_wait_s)
+                    self._wake.clear()
+        except BaseException as e:  # a backend failure: every open request ends, the server reports it
+            self.error = e
+            for h in list(self._handles.values()):
+                self._push(h, END)
+            if self.on_error:
+                self.on_error(e)
+
+    def _finished(self, handle: Handle, notify) -> None:
+        self._handles.pop(handle.request.id, None)
+        if self.on_done:
+            self.on_done(handle)
+        notify(handle.request)
+
+    def _take_inbox(self) -> None:
+        while True:
+            try:
+                handle = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            req = handle.request
+            self._handles[req.id] = handle
+            finish = req.on_finish
+            req.on_finish = lambda r, f=finish, h=handle: self._finished(h, f)
+            if self._stopping:
+                req.cancelled = True
+            self.scheduler.submit(req)

@@ -1,0 +1,57 @@
+"""`/metrics` in Prometheus' text format, and one log line per request.
+
+Counters and histograms are kept by prometheus_client in a registry of the server's own; running and waiting
+requests are read from the engine at scrape time. Names follow vLLM's where one exists (k2trt: prefix)."""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+LOG = logging.getLogger("k2trt.serve")
+disable_created_metrics()  # no *_created series: a scrape is the counters and histograms only
+
+_LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    def __init__(self, engine, model: str):
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, {"model_name": model}
+        self.requests = Counter("k2trt:requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
+                                registry=r)
+        self.prompt_tokens = Counter("k2trt:prompt_tokens", "prompt tokens prefilled", registry=r)
+        self.generation_tokens = Counter("k2trt:generation_tokens", "tokens generated", registry=r)
+        self.finished = Counter("k2trt:request_success", "finished requests by reason", ["finished_reason"],
+                                registry=r)
+        self.ttft = Histogram("k2trt:time_to_first_token_seconds", "time to first token", buckets=_LATENCY,
+                              registry=r)
+        self.itl = Histogram("k2trt:inter_token_latency_seconds", "time between the tokens of a request",
+                             buckets=_LATENCY, registry=r)
+        self.e2e = Histogram("k2trt:e2e_request_latency_seconds", "submission to last token", buckets=_LATENCY,
+                             registry=r)
+        running = Gauge("k2trt:num_requests_running", "requests holding a sequence slot", registry=r)
+        waiting = Gauge("k2trt:num_requests_waiting", "requests waiting for a slot", registry=r)
+        running.set_function(lambda: engine.running)
+        waiting.set_function(lambda: engine.waiting)
+        self.labels = labels
+
+    def request_done(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def generation_done(self, handle) -> None:
+        """One finished generation (one choice): its tokens and latencies."""
+        req = handle.request
+        self.prompt_tokens.inc(len(req.prompt))
+        self.generation_tokens.inc(len(req.token_ids))
+        self.finished.labels(finished_reason=req.finish_reason or "unknown").inc()
+        times = handle.token_times
+        if times:
+            self.ttft.observe(times[0] - req.submitted_at)
+            for a, b in zip(times, times[1:]):
+                self.itl.observe(b - a)
+            self.e2e.observe(times[-1] - req.submitted_at)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,166 @@
+"""The OpenAI-compatible API: request bodies (validated, every bad field named) and response objects.
+
+Fields follow OpenAI's chat and completions APIs; `top_k` and `stop_token_ids` are the extensions vLLM and
+SGLang accept too. Fields OpenAI defines that k2trt cannot honour (logprobs, tools, response formats) are refused
+with a 400 naming them rather than silently ignored; unknown fields are ignored, as OpenAI's servers do.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from k2trt.runtime.sampling import MAX_SEED
+
+MAX_N = 16
+MAX_STOP_STRINGS = 16
+ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+class APIError(Exception):
+    """An error the client caused (or may retry): becomes {"error": {...}} with this HTTP status."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """The fields both endpoints share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    echo: Any = None
+    best_of: Any = None
+
+    @field_validator("temperature", "top_p")
+    @classmethod
+    def _finite(cls, v):
+        if v is not None and not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        return v
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        asked = {"logprobs": bool(self.logprobs), "top_logprobs": self.top_logprobs not in (None, 0),
+                 "echo": bool(self.echo), "best_of": self.best_of not in (None, 1)}
+        for name, yes in asked.items():
+            if yes:
+                raise ValueError(f"{name} is not supported")
+        return self
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: Any = None
+    tool_choice: Any = None
+    response_format: Any = None
+
+    @model_validator(mode="after")
+    def _chat_unsupported(self):
+        if self.tools:
+            raise ValueError("tools is not supported")
+        if self.response_format not in (None, {"type": "text"}):
+            raise ValueError("response_format is not supported")
+        return self
+
+    def new_tokens(self, default: int) -> int:
+        return self.max_completion_tokens or self.max_tokens or default
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("must not be empty")
+        return v
+
+    def new_tokens(self, default: int) -> int:
+        return self.max_tokens or default
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+
+# ---- responses -------------------------------------------------------------------------------------------------
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """Ours -> OpenAI's: a stop token or a stop string is "stop", the length limit "length"."""
+    return {"stop_token": "stop", "stop_string": "stop", "length": "length"}.get(reason, reason)
+
+
+def now() -> int:
+    return int(time.time())

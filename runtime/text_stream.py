@@ -1,0 +1,61 @@
+"""Token ids to text, incrementally, with stop strings.
+
+`TextStream.feed(id)` returns the text that can be shown now: a UTF-8 character split across tokens is held until
+complete, and just enough characters are held back that a stop string can be cut before any of it is shown. Once a
+stop string appears the stream is `stopped` and shows nothing more. `StopMatcher` is the same test for the
+scheduler's thread: whether the text so far contains a stop string, checked on the new tail only.
+"""
+
+from __future__ import annotations
+
+
+class StopMatcher:
+    """stop_check for a Request: True once the decoded text contains one of the stop strings."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.decoder = tokenizer.stream_decoder()
+        self.text = ""
+        self.longest = max((len(s) for s in self.stops), default=0)
+
+    def __call__(self, ids: list[int]) -> bool:
+        piece = self.decoder.feed(ids[-1])
+        start = max(0, len(self.text) - self.longest + 1)
+        self.text += piece
+        return any(s in self.text[start:] for s in self.stops)
+
+
+def cut_at_stop(text: str, stops: list[str]) -> str:
+    ends = [text.index(s) for s in stops if s and s in text]
+    return text[:min(ends)] if ends else text
+
+
+class TextStream:
+    def __init__(self, tokenizer, stops: list[str], skip_ids=()):
+        self.decoder = tokenizer.stream_decoder()
+        self.stops = [s for s in stops if s]
+        self.skip_ids = set(skip_ids)  # stop tokens: generated, never shown
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.pending, self.stopped = "", False
+
+    def feed(self, token: int) -> str:
+        if self.stopped or token in self.skip_ids:
+            return ""
+        self.pending += self.decoder.feed(token)
+        hits = [self.pending.index(s) for s in self.stops if s in self.pending]
+        if hits:
+            out, self.pending, self.stopped = self.pending[:min(hits)], "", True
+            return out
+        if len(self.pending) > self.hold:
+            cut = len(self.pending) - self.hold
+            out, self.pending = self.pending[:cut], self.pending[cut:]
+            return out
+        return ""
+
+    def finish(self) -> str:
+        """Whatever is still held (an incomplete character becomes U+FFFD)."""
+        if self.stopped:
+            return ""
+        out = cut_at_stop(self.pending + self.decoder.flush(), self.stops)
+        self.pending = ""
+        return out
