@@ -15,7 +15,7 @@ EXTRAS  ?= cpu,serve,dev
 PIPELINE ?=
 PIPE    := $(if $(PIPELINE),--pipeline $(PIPELINE))
 
-.PHONY: install test tiny export generate chat bench bench-stream engines compare gpu-check clean
+.PHONY: install test tiny export generate chat bench bench-stream serve bench-serve engines compare gpu-check clean
 
 install: .venv/.installed
 
@@ -49,6 +49,12 @@ bench: export
 
 bench-stream: install
 	$(PY) -m k2trt.tools.stream_bench --gb 4
+
+serve: export
+	$(K2TRT) serve --model $(TINY) --onnx $(ONNX) $(PIPE)
+
+bench-serve: export
+	$(K2TRT) bench-serve --model $(TINY) --onnx $(ONNX)
 
 engines: install
 	$(K2TRT) build --onnx $(ONNX) --out $(ENGINES)

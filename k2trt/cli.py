@@ -21,6 +21,7 @@ COMMANDS = {
     "bench": ("k2trt.tools.bench", "prefill/decode tokens/s of the runtime against the torch reference"),
     "compare": ("k2trt.tools.compare.cli", "accuracy of each backend against the torch reference, via polygraphy"),
     "serve": ("k2trt.runtime.serve.cli", "an OpenAI-compatible HTTP server with continuous batching"),
+    "bench-serve": ("k2trt.tools.bench_serve", "concurrent clients over HTTP against a live server: tokens/s, TTFT, ITL"),
     "plan": ("k2trt.tools.plan", "split the model over N devices as pipeline stages, by exact bytes"),
 }
 

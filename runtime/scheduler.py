@@ -47,6 +47,7 @@ class Request:
     on_finish: Callable[["Request"], None] | None = None
     on_prefill: Callable[["Request"], None] | None = None  # after each prompt chunk (progress of long prompts)
     stop_ids: tuple[int, ...] = ()  # this request's own stop tokens, besides the scheduler's
+    ignore_eos: bool = False  # only the request's own stop tokens end it (benchmarks: fixed lengths)
     id: int = field(default_factory=lambda: next(_ids))
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -252,7 +253,7 @@ class Scheduler:
         req.pending = tok
         if req.on_token:
             req.on_token(req, tok)
-        if tok in self.stop_ids or tok in req.stop_ids:
+        if (tok in self.stop_ids and not req.ignore_eos) or tok in req.stop_ids:
             self._finish(req, FINISH_STOP_TOKEN)
         elif req.stop_check is not None and req.stop_check(req.token_ids):
             self._finish(req, FINISH_STOP_STRING)

@@ -248,3 +248,16 @@ def test_disconnect_frees_the_slot_queue_full_and_sigterm(tiny_ckpt, tiny_export
         assert s.proc.wait(timeout=60) == 0, s.output()
     finally:
         s.stop()
+
+
+@pytest.mark.slow
+def test_bench_serve_prints_its_table(tiny_ckpt, tiny_export):
+    r = subprocess.run([sys.executable, "-m", "k2trt.cli", "bench-serve", "--model", str(tiny_ckpt), "--onnx",
+                        str(tiny_export), "--concurrency", "1,2", "--requests", "2", "--max-tokens", "4",
+                        "--prompt-len", "8", "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert [lv["concurrency"] for lv in out["levels"]] == [1, 2]
+    assert all(lv["requests"] == 2 and lv["output_tokens_per_s"] > 0 and lv["ttft_p50_ms"] > 0
+               for lv in out["levels"])
+    assert out["speedup_over_sequential"] > 0

@@ -302,7 +302,7 @@ def _request(body, prompt: list[int], max_new: int, choice: int, tokenizer) -> G
                             top_p=1.0 if body.top_p is None else body.top_p, seed=seed % (MAX_SEED + 1))
     stops = body.stops()
     return GenRequest(list(prompt), max_new, params, stop_check=StopMatcher(tokenizer, stops) if stops else None,
-                      stop_ids=tuple(body.stop_token_ids or ()))
+                      stop_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
 
 
 def _cancel(handles) -> None:

@@ -1,6 +1,6 @@
 """The OpenAI-compatible API: request bodies (validated, every bad field named) and response objects.
 
-Fields follow OpenAI's chat and completions APIs; `top_k` and `stop_token_ids` are the extensions vLLM and
+Fields follow OpenAI's chat and completions APIs; `top_k`, `stop_token_ids` and `ignore_eos` are the extensions vLLM and
 SGLang accept too. Fields OpenAI defines that k2trt cannot honour (logprobs, tools, response formats) are refused
 with a 400 naming them rather than silently ignored; unknown fields are ignored, as OpenAI's servers do.
 """
@@ -52,6 +52,7 @@ class _Sampling(BaseModel):
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None

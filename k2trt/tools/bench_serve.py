@@ -1,0 +1,217 @@
+"""`k2trt bench-serve --model DIR --onnx DIR` (`make bench-serve`): concurrent clients over HTTP against a live
+server, started by this command (or --url of a running one).
+
+At each concurrency (default 1, 4, 16) the same number of requests run, each a streamed completion of a fixed
+random prompt with `ignore_eos`, so every request generates exactly --max-tokens tokens. Reported, measured at the
+client: output tokens/s over the level's wall time, time to first token and inter-token latency percentiles, and
+the speed-up of the highest concurrency over sequential requests (concurrency 1) in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from k2trt.errors import K2Error
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", type=Path, help="checkpoint directory: start a server for it")
+    src.add_argument("--url", help="a running k2trt (or other OpenAI-compatible) server instead")
+    p.add_argument("--onnx", type=Path, help="export directory for the started server")
+    p.add_argument("--engines", type=Path, help="engine directory for the started server")
+    p.add_argument("--served-model-name", default=None, help="the model name to send (default: asked of the server)")
+    p.add_argument("--concurrency", default="1,4,16", help="comma-separated concurrency levels (default 1,4,16)")
+    p.add_argument("--requests", type=int, default=32, help="requests per level (default 32)")
+    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default 64)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request (default 32)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+
+@dataclass
+class Sample:
+    ttft: float
+    gaps: list[float]
+    tokens: int
+    seconds: float
+
+
+@dataclass
+class Level:
+    concurrency: int
+    wall_s: float
+    samples: list[Sample] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(s.tokens for s in self.samples) / self.wall_s
+
+    def row(self) -> dict:
+        ttft = [s.ttft for s in self.samples]
+        itl = [g for s in self.samples for g in s.gaps]
+        return {"concurrency": self.concurrency, "requests": len(self.samples),
+                "output_tokens_per_s": round(self.tokens_per_s, 1),
+                **{f"ttft_p{q}_ms": round(1000 * percentile(ttft, q), 1) for q in (50, 90, 99)},
+                **{f"itl_p{q}_ms": round(1000 * percentile(itl, q), 2) for q in (50, 90, 99)}}
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    k = (len(v) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+async def one_request(client, url: str, body: dict) -> Sample:
+    t0 = time.perf_counter()
+    times, tokens = [], 0
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise K2Error(f"the server answered {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                times.append(time.perf_counter())
+    if not times:
+        raise K2Error("a request streamed no text")
+    return Sample(times[0] - t0, [b - a for a, b in zip(times, times[1:])], tokens, time.perf_counter() - t0)
+
+
+async def run_level(url: str, bodies: list[dict], concurrency: int) -> Level:
+    import httpx
+
+    queue: asyncio.Queue = asyncio.Queue()
+    for b in bodies:
+        queue.put_nowait(b)
+    level = Level(concurrency, 0.0)
+
+    async def worker(client):
+        while not queue.empty():
+            level.samples.append(await one_request(client, url, queue.get_nowait()))
+
+    limits = httpx.Limits(max_connections=concurrency + 2)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+        level.wall_s = time.perf_counter() - t0
+    return level
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """`k2trt serve` in a child process for the duration of the bench."""
+
+    def __init__(self, args, max_batch: int):
+        import httpx
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "k2trt.cli", "serve", "--model", str(args.model), "--port", str(self.port),
+               "--max-batch", str(max_batch), "--log-level", "warning", "--max-queue", str(10 * max_batch)]
+        cmd += ["--onnx", str(args.onnx)] if args.onnx else ["--engines", str(args.engines)] if args.engines else []
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise K2Error(f"the server did not start: {self.proc.stderr.read().strip().splitlines()[-1:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        self.stop()
+        raise K2Error("the server did not start within 300 s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def bodies(model: str, n: int, prompt_len: int, max_tokens: int, vocab: int) -> list[dict]:
+    import random
+
+    rng = random.Random(0)
+    return [{"model": model, "prompt": [rng.randrange(vocab) for _ in range(prompt_len)], "max_tokens": max_tokens,
+             "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            for _ in range(n)]
+
+
+def render(levels: list[Level], speedup: float) -> str:
+    rows = [lv.row() for lv in levels]
+    cols = ["concurrency", "requests", "output_tokens_per_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms",
+            "itl_p50_ms", "itl_p90_ms", "itl_p99_ms"]
+    heads = ["conc", "requests", "out tok/s", "TTFT p50 ms", "p90", "p99", "ITL p50 ms", "p90", "p99"]
+    cells = [heads] + [[str(r[c]) for c in cols] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
+    lines = ["  ".join(x.rjust(w) for x, w in zip(c, widths)) for c in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append(f"concurrency {levels[-1].concurrency} over sequential requests: {speedup:.2f}x output tokens/s")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    import httpx
+
+    levels_asked = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    if not levels_asked or min(levels_asked) < 1 or args.requests < 1 or args.prompt_len < 1 or args.max_tokens < 2:
+        raise K2Error("--concurrency levels, --requests and --prompt-len must be >= 1, --max-tokens >= 2")
+    if args.model is not None and not (args.onnx or args.engines):
+        raise K2Error("give --onnx DIR or --engines DIR for the server to start")
+    server = LiveServer(args, max(levels_asked)) if args.model is not None else None
+    url = server.url if server else args.url.rstrip("/")
+    try:
+        models = httpx.get(url + "/v1/models", timeout=30).json()["data"]
+        card = models[0]
+        model = args.served_model_name or card["id"]
+        vocab = _vocab(args) or 1000
+        work = bodies(model, args.requests, args.prompt_len, args.max_tokens, vocab)
+        asyncio.run(run_level(url, work[:2], 1))  # warm-up
+        levels = []
+        for c in levels_asked:
+            print(f"bench-serve: concurrency {c}, {args.requests} requests ...", file=sys.stderr, flush=True)
+            levels.append(asyncio.run(run_level(url, work, c)))
+    finally:
+        if server:
+            server.stop()
+    base = next((lv for lv in levels if lv.concurrency == 1), levels[0])
+    speedup = levels[-1].tokens_per_s / base.tokens_per_s
+    if args.json:
+        print(json.dumps({"levels": [lv.row() for lv in levels], "speedup_over_sequential": round(speedup, 2)}))
+    else:
+        print(render(levels, speedup))
+    return 0
+
+
+def _vocab(args) -> int | None:
+    """Prompt ids from the base vocabulary (no special tokens)."""
+    if args.model is None:
+        return None
+    from k2trt.config import K2Config
+    from k2trt.runtime.tokenizer import NUM_RESERVED_SPECIAL
+
+    return K2Config.from_json(args.model).vocab_size - NUM_RESERVED_SPECIAL
+
