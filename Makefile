@@ -6,7 +6,7 @@ ONNX    ?= build/onnx
 ENGINES ?= build/engines
 # float32 graphs for ONNX Runtime on a CPU; bfloat16 for TensorRT engines (make export DTYPE=bfloat16 ONNX=build/onnx-bf16)
 DTYPE   ?= float32
-# The CPU build of torch 2.13.0; on a GPU machine use `make install EXTRAS=gpu,dev TORCH=torch`.
+# The CPU build of torch 2.13.0; on a GPU machine use `make install EXTRAS=gpu,serve,dev TORCH=torch`.
 # Where pip would otherwise pick a CUDA build, set TORCH_INDEX to PyTorch's CPU wheel index.
 TORCH   ?= torch==2.13.0
 TORCH_INDEX ?=

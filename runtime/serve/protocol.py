@@ -18,6 +18,7 @@ from k2trt.runtime.sampling import MAX_SEED
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1000  # each: stop strings are searched at every token
 ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
@@ -74,6 +75,8 @@ class _Sampling(BaseModel):
         stops = [v] if isinstance(v, str) else (v or [])
         if len(stops) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(len(x) > MAX_STOP_CHARS for x in stops):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
         return v
 
     @model_validator(mode="after")
