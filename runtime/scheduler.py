@@ -175,6 +175,14 @@ class Scheduler:
         if decoding:
             self._decode_step(decoding)
 
+    def keepalive(self) -> None:
+        """An empty step: nothing computed, but every pipeline stage hears from rank 0 (an idle server's stages
+        would otherwise time out waiting for the next plan) and pending slot operations are applied."""
+        plan = StepPlan(first=0, tokens=[], starts=[], sample=[], rows=self.rows, capacity=self.capacity,
+                        ops=self._ops)
+        self._ops = []
+        self.executor.run(plan)
+
     def run_until_idle(self) -> None:
         while self.has_work():
             self.iteration()

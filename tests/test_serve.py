@@ -261,3 +261,18 @@ def test_bench_serve_prints_its_table(tiny_ckpt, tiny_export):
     assert all(lv["requests"] == 2 and lv["output_tokens_per_s"] > 0 and lv["ttft_p50_ms"] > 0
                for lv in out["levels"])
     assert out["speedup_over_sequential"] > 0
+
+
+@pytest.mark.slow
+def test_serving_from_pipeline_stages(tiny_ckpt, tiny_export, server):
+    """rank 0 serves, the other rank follows; an idle spell longer than the step timeout does not end it."""
+    alone = [complete(server, p, 10, temperature=0) for p in PROMPTS[:3]]
+    s = Server(tiny_ckpt, tiny_export, "--max-batch", "4", "--max-context", "512", "--pipeline", "2",
+               "--dist-timeout", "6")
+    try:
+        with cf.ThreadPoolExecutor(3) as pool:
+            assert list(pool.map(lambda p: complete(s, p, 10, temperature=0), PROMPTS[:3])) == alone
+        time.sleep(10)  # idle: rank 0 keeps the follower's waits short of the timeout
+        assert complete(s, PROMPTS[0], 10, temperature=0) == alone[0]
+    finally:
+        assert s.stop() == 0, s.output()

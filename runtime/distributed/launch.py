@@ -68,7 +68,9 @@ def _end(procs: list[subprocess.Popen]) -> None:
 
 
 def run_pipeline(argv: list[str], size: int) -> int:
-    """Run `k2trt <argv>` as `size` ranks on this machine; returns the exit status (raises K2Error on failure)."""
+    """Run `k2trt <argv>` as `size` ranks on this machine; returns the exit status (raises K2Error on failure).
+    SIGTERM is passed to rank 0, which ends the pipeline in order (a server stops gracefully); the exit status is
+    then rank 0's."""
     import torch.distributed as dist
 
     if size < 1:
@@ -76,23 +78,43 @@ def run_pipeline(argv: list[str], size: int) -> int:
     store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=30))
     cmd = [sys.executable, "-m", "k2trt.cli", *strip_pipeline_flag(argv)]
-    procs = []
+    procs: list[subprocess.Popen] = []
+    stopping: list[float] = []  # when a stop was asked for
+
+    def forward(sig, frame):
+        stopping.append(time.monotonic())
+        if procs and procs[0].poll() is None:
+            procs[0].send_signal(sig)
+
+    previous = signal.signal(signal.SIGTERM, forward)
     try:
         for r in range(size):
             quiet = {} if r == 0 else {"stdout": subprocess.DEVNULL}
             procs.append(subprocess.Popen(cmd, env=_rank_env(r, size, store.port), **quiet))
         while True:
             codes = [p.poll() for p in procs]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                time.sleep(0.3)  # let the others' reasons land before choosing the first
-                break
-            if all(c == 0 for c in codes):
-                return 0
+            if stopping:
+                if all(c is not None for c in codes):
+                    return codes[0]
+                if time.monotonic() - stopping[0] > 60:  # the stages did not end in order: end them
+                    _end(procs)
+                    return codes[0] if codes[0] is not None else 1
+            else:
+                failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+                if failed:
+                    time.sleep(0.3)  # let the others' reasons land before choosing the first
+                    break
+                if all(c == 0 for c in codes):
+                    return 0
             time.sleep(0.05)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # ^C reached every rank too (one terminal): give them a moment to stop in order
+        deadline = time.monotonic() + GRACE_S
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
         _end(procs)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     _end(procs)
     first = first_failure({r: m for r in range(size) if (m := _failure(store, r))})
     if first:

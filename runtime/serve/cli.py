@@ -75,8 +75,11 @@ def serve(args, loaded) -> int:
                           stop_ids=tuple(loaded.tokenizer.stop_ids), prefill_chunk=chunk)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    from k2trt.runtime.distributed.world import DEFAULT_TIMEOUT_S
+
     server_box = []
-    engine = Engine(scheduler, max_waiting=args.max_queue,
+    keepalive = min(10.0, (args.dist_timeout or DEFAULT_TIMEOUT_S) / 4)  # idle pipeline stages must hear from us
+    engine = Engine(scheduler, max_waiting=args.max_queue, keepalive_s=keepalive,
                     on_error=lambda e: server_box and setattr(server_box[0], "should_exit", True)).start()
     name = args.served_model_name or str(args.model)
     app = create_app(engine, loaded.tokenizer, ServeConfig(name, max_context, args.max_body))

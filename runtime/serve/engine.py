@@ -45,11 +45,12 @@ class Handle:
 
 class Engine:
     def __init__(self, scheduler: Scheduler, max_waiting: int = 256, idle_wait_s: float = 0.02,
-                 on_error=None, on_done=None):
+                 on_error=None, on_done=None, keepalive_s: float = 10.0):
         self.scheduler = scheduler
         self.on_done = on_done  # called (engine thread) with each handle whose request finished, however
         self.max_waiting = max_waiting
         self.idle_wait_s = idle_wait_s
+        self.keepalive_s = keepalive_s  # an idle engine still steps this often (pipeline stages wait with a timeout)
         self.on_error = on_error  # called with the exception if the engine thread dies
         self._inbox: queue.SimpleQueue[Handle] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -110,12 +111,17 @@ class Engine:
 
     # ---- the engine thread ----------------------------------------------------------------------------------
     def _loop(self) -> None:
+        last_step = time.monotonic()
         try:
             while not self._stop.is_set():
                 self._take_inbox()
                 if self.scheduler.has_work():
                     self.scheduler.iteration()
                     self.iterations += 1
+                    last_step = time.monotonic()
+                elif time.monotonic() - last_step > self.keepalive_s:
+                    self.scheduler.keepalive()
+                    last_step = time.monotonic()
                 else:
                     self._wake.wait(self.idle_wait_s)
                     self._wake.clear()
