@@ -112,6 +112,16 @@ class PipelineStage:
         self.world, self.stage = world, stage
         self.transport = Transport(world, stage.backend.device)
         self.hidden_size = stage.cfg.hidden_size
+        self.step_s = 0.0  # this rank's part of every step, from the plan's broadcast to the ids', transfers included
+
+    def timed_step(self, plan: StepPlan | None = None) -> tuple[StepPlan | None, list[int | None]]:
+        """Broadcast (rank 0) or receive the plan, then this rank's part of the step."""
+        t0 = time.perf_counter()
+        try:
+            plan = self.transport.broadcast_plan(plan)
+            return plan, ([] if plan is None else self.step(plan))
+        finally:
+            self.step_s += time.perf_counter() - t0
 
     def step(self, plan: StepPlan) -> list[int | None]:
         st_exec, tr = self.stage, self.transport
@@ -141,8 +151,7 @@ class PipelineExecutor:
 
     def run(self, plan: StepPlan) -> list[int | None]:
         try:
-            self.part.transport.broadcast_plan(plan)
-            return self.part.step(plan)
+            return self.part.timed_step(plan)[1]
         except PeerLost as e:
             raise self.part.world.lost_contact(e) from None
 
@@ -165,9 +174,8 @@ def follow(world: World, stage: StageExecutor) -> PipelineStage:
     part = PipelineStage(world, stage)
     try:
         while True:
-            plan = part.transport.broadcast_plan()
+            plan, _ = part.timed_step()
             if plan is None:
                 return part
-            part.step(plan)
     except PeerLost as e:
         raise world.lost_contact(e) from None

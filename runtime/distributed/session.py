@@ -27,7 +27,21 @@ def stats_key(rank: int) -> str:
 @dataclass
 class RankStats:
     backend_s: float  # inside this rank's backend calls
-    transfer_s: float  # inside this rank's sends, receives and broadcasts
+    transfer_s: float  # inside this rank's sends, receives and broadcasts (waiting for the others included)
+    step_s: float  # inside its part of the steps
+
+    @property
+    def busy_s(self) -> float:
+        """Working, not waiting for a message."""
+        return self.step_s - self.transfer_s
+
+
+def transfer_share(stats: list["RankStats"]) -> float:
+    """The share of rank 0's step time spent moving messages: its time in transfers less what the other ranks
+    were busy with meanwhile (the stages run one after another within a step)."""
+    lead = stats[0]
+    pure = lead.transfer_s - sum(s.busy_s for s in stats[1:])
+    return max(0.0, pure) / lead.step_s if lead.step_s else 0.0
 
 
 def stage_split(cfg, size: int, counts: list[int] | None) -> P.Plan:
@@ -50,12 +64,12 @@ class RankSession:
 
     def follow(self) -> None:
         part = follow(self.world, self.executor)
-        self._publish(RankStats(self.executor.clock.backend_s, part.transport.seconds))
+        self._publish(RankStats(self.executor.clock.backend_s, part.transport.seconds, part.step_s))
 
     def shutdown(self) -> list[RankStats]:
         """Rank 0: end every rank's loop, then gather their timings (their own counters, through the store)."""
         self.leader.shutdown()
-        mine = RankStats(self.executor.clock.backend_s, self.leader.transfer_seconds)
+        mine = RankStats(self.executor.clock.backend_s, self.leader.transfer_seconds, self.leader.part.step_s)
         keys = [stats_key(r) for r in range(1, self.world.size)]
         self.world.wait_for(keys, self.world.timeout_s)
         return [mine] + [RankStats(**json.loads(self.world.store.get(k))) for k in keys]
