@@ -12,7 +12,7 @@ TORCH   ?= torch==2.13.0
 TORCH_INDEX ?=
 EXTRAS  ?= cpu,dev
 
-.PHONY: install test tiny export generate chat bench bench-stream engines compare gpu-check clean
+.PHONY: install test tiny export generate chat bench bench-stream engines compare gpu-check doctor clean
 
 install: .venv/.installed
 
@@ -55,6 +55,9 @@ compare: export
 
 gpu-check: install
 	$(PY) -m k2trt.tools.gpu_check --markdown build/gpu-check.md
+
+doctor: install
+	$(K2TRT) doctor
 
 clean:
 	rm -rf build

@@ -20,6 +20,7 @@ COMMANDS = {
     "chat": ("k2trt.runtime.chat", "interactive chat with history"),
     "bench": ("k2trt.tools.bench", "prefill/decode tokens/s of the runtime against the torch reference"),
     "compare": ("k2trt.tools.compare.cli", "accuracy of each backend against the torch reference, via polygraphy"),
+    "doctor": ("k2trt.tools.doctor", "check the TensorRT path on this machine: versions, plugins, engines, tokens"),
 }
 
 

@@ -760,3 +760,39 @@ def test_output_shapes_and_weight_upload(exported):
     c = arena.get("h", (4, 4), torch.float32)
     assert c.shape == (4, 4) and arena.buffers["h"].numel() == 16
 
+
+# ---- k2trt doctor ----------------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(HAVE_TENSORRT and torch.cuda.is_available(), reason="checks the line shown without TensorRT/GPU")
+def test_doctor_without_tensorrt_or_gpu_says_which_in_one_line(capsys):
+    rc = main(["doctor"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("k2trt doctor: error: ")
+    if not HAVE_TENSORRT:
+        assert "TensorRT is not installed" in err
+    if not torch.cuda.is_available():
+        assert "no CUDA GPU is visible" in err
+
+
+def test_doctor_reports_each_step_in_one_line():
+    from k2trt.tools import doctor
+
+    def boom(state):
+        raise RuntimeError("parser failed at node 'x'\nstack trace line")
+
+    lines = []
+    steps = [doctor.Step("first", lambda s: "fine"), doctor.Step("second", boom, ("first",)),
+             doctor.Step("third", lambda s: "never", ("second",)), doctor.Step("fourth", lambda s: "ok", ("first",))]
+    assert doctor.run_steps(steps, {}, lines.append) == 1
+    assert [line.split(":")[0] for line in lines] == ["  pass  first", "  FAIL  second", "  skip  third (needs",
+                                                      "  pass  fourth"]
+    assert lines[1] == "  FAIL  second: parser failed at node 'x'"
+
+
+def test_doctor_checks_every_plugin_and_the_tokens():
+    from k2trt.tools import doctor
+
+    names = [s.name for s in doctor.steps()]
+    assert names[:2] == ["TensorRT and CUDA", "plugin registration"]
+    assert {n.split()[2] for n in names if n.startswith("one-node engine")} == set(P.plugin_specs())
+    assert names[-2:] == ["tiny model block engines", "8 tokens vs ONNX Runtime"]
