@@ -796,3 +796,49 @@ def test_doctor_checks_every_plugin_and_the_tokens():
     assert names[:2] == ["TensorRT and CUDA", "plugin registration"]
     assert {n.split()[2] for n in names if n.startswith("one-node engine")} == set(P.plugin_specs())
     assert names[-2:] == ["tiny model block engines", "8 tokens vs ONNX Runtime"]
+
+
+def test_standin_refuses_what_tensorrt_refuses():
+    """The stand-in's validators are TensorRT's, not ours: wrong schemas fail, and an aot_impl that declares only
+    some attributes registers but fails when TensorRT passes it all of them (get_launch_params)."""
+    import numpy as np
+    import numpy.typing as npt
+
+    trtp = S.TensorRTPlugin()
+
+    def desc(x, a, b):
+        return trtp.from_shape_expr(x.shape_expr, x.dtype)
+
+    # real objects, not PEP 563 strings: TensorRT reads inspect.signature's annotations as they are
+    desc.__annotations__ = {"x": S.TensorDesc, "a": npt.NDArray[np.int32], "b": npt.NDArray[np.int32],
+                            "return": S.TensorDesc}
+    trtp.register("toy::op")(desc)
+    with pytest.raises(ValueError, match="expected schema"):
+        trtp.impl("toy::op")(lambda x, a, b, outputs: None)  # no stream
+    with pytest.raises(ValueError, match="expected schema"):
+        trtp.impl("toy::op")(lambda x, b, a, outputs, stream: None)  # attributes out of register order
+
+    def no_return(x, a, b, outputs, tactic):
+        pass
+
+    with pytest.raises(ValueError, match="No return annotation"):
+        trtp.aot_impl("toy::op")(no_return)
+
+    def only_b(x, b, outputs, tactic):
+        return "k", "ptx", S.KernelLaunchParams(), S.SymIntExprs(0)
+
+    only_b.__annotations__ = {"return": tuple[str, str, S.KernelLaunchParams, S.SymIntExprs]}
+
+    trtp.aot_impl("toy::op")(only_b)  # a subset validates...
+    plugin = trtp.create_plugin("toy::op", {"a": np.array([1], np.int32), "b": np.array([2], np.int32)},
+                                S.QuickPluginCreationRequest.STRICT_AOT)
+    plugin.output_shapes([S.TensorDesc([S.dim(4)], S.DataType.FLOAT)])
+    with pytest.raises(TypeError):
+        plugin.launch(0)  # ...but TensorRT calls aot_impl with every attribute
+
+    def listed(x, a):
+        return x
+
+    listed.__annotations__ = {"x": S.TensorDesc, "a": list, "return": S.TensorDesc}
+    with pytest.raises(ValueError, match="not a supported serializable type"):
+        trtp.register("toy::other")(listed)

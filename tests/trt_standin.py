@@ -388,25 +388,27 @@ class TensorRTPlugin:
             raise ValueError(f"Plugin {plugin_id} is not registered.")
         return self.registry[plugin_id]
 
+    def _checked(self, plugin_id: str, fn, role: str, tail: list[str]) -> tuple[PluginDef, list[str]]:
+        """The function's parameters must be the inputs, a subset of the attributes in register order, then
+        `tail` (_validate.py builds the same expected schema string and compares)."""
+        pdef = self._pdef(plugin_id)
+        attrs = _validate_attr_subset(fn, pdef, role)
+        want = _schema(pdef.input_tensor_names + attrs, tail)
+        if _schema(list(inspect.signature(fn).parameters), []) != want:
+            raise ValueError(f"Signature of the {role} function does not match the expected schema: {want}")
+        return pdef, attrs
+
     def impl(self, plugin_id: str):
         def decorator(fn):
-            pdef = self._pdef(plugin_id)
-            attrs = _validate_attr_subset(fn, pdef, "impl")
             tactic = "tactic" in inspect.signature(fn).parameters
-            want = _schema(pdef.input_tensor_names + attrs, ["outputs", "stream"] + (["tactic"] if tactic else []))
-            if _schema(list(inspect.signature(fn).parameters), []) != want:
-                raise ValueError(f"Signature of the impl function does not match the expected schema: {want}")
+            pdef, attrs = self._checked(plugin_id, fn, "impl", ["outputs", "stream"] + (["tactic"] if tactic else []))
             pdef.impl_func, pdef.impl_attr_names, pdef.expects_tactic = fn, attrs, tactic
             return fn
         return decorator
 
     def aot_impl(self, plugin_id: str):
         def decorator(fn):
-            pdef = self._pdef(plugin_id)
-            attrs = _validate_attr_subset(fn, pdef, "aot_impl")
-            want = _schema(pdef.input_tensor_names + attrs, ["outputs", "tactic"])
-            if _schema(list(inspect.signature(fn).parameters), []) != want:
-                raise ValueError(f"Signature of the aot_impl function does not match the expected schema: {want}")
+            pdef, attrs = self._checked(plugin_id, fn, "aot_impl", ["outputs", "tactic"])
             ret = inspect.signature(fn).return_annotation
             if ret is inspect.Parameter.empty:
                 raise ValueError("No return annotation found for aot_impl function.")
@@ -425,11 +427,7 @@ class TensorRTPlugin:
 
     def autotune(self, plugin_id: str):
         def decorator(fn):
-            pdef = self._pdef(plugin_id)
-            attrs = _validate_attr_subset(fn, pdef, "autotune")
-            want = _schema(pdef.input_tensor_names + attrs, ["outputs"])
-            if _schema(list(inspect.signature(fn).parameters), []) != want:
-                raise ValueError(f"Specified autotune function signature is not consistent with {want}.")
+            pdef, attrs = self._checked(plugin_id, fn, "autotune", ["outputs"])
             pdef.autotune_func, pdef.autotune_attr_names = fn, attrs
             return fn
         return decorator
