@@ -15,7 +15,7 @@ EXTRAS  ?= cpu,serve,dev
 PIPELINE ?=
 PIPE    := $(if $(PIPELINE),--pipeline $(PIPELINE))
 
-.PHONY: install test tiny export generate chat bench bench-stream serve bench-serve engines compare gpu-check clean
+.PHONY: install test tiny export generate chat bench bench-stream serve bench-serve engines compare gpu-check doctor clean
 
 install: .venv/.installed
 
@@ -64,6 +64,9 @@ compare: export
 
 gpu-check: install
 	$(PY) -m k2trt.tools.gpu_check --markdown build/gpu-check.md
+
+doctor: install
+	$(K2TRT) doctor
 
 clean:
 	rm -rf build

@@ -40,8 +40,9 @@ def check_trt_operators(model: onnx.ModelProto, label: str) -> None:
     for node in model.graph.node:
         where = f"{label}: node {node.name!r} ({node.domain or 'ai.onnx'}::{node.op_type})"
         if node.domain == contracts.NAMESPACE:
-            if node.op_type not in contracts.CONTRACTS:
-                raise GraphCheckError(f"{where} is not one of our plugin nodes")
+            if node.op_type not in {c.op_type for c in contracts.TENSORRT}:
+                how = contracts.CONTRACTS[node.op_type].tensorrt if node.op_type in contracts.CONTRACTS else ""
+                raise GraphCheckError(f"{where} is not one of our plugin nodes" + (f" (it is {how})" if how else ""))
             attrs = {a.name: a for a in node.attribute}
             ns = attrs.get("plugin_namespace")
             if ns is None or ns.s.decode() != contracts.NAMESPACE:

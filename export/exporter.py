@@ -13,15 +13,17 @@ from k2trt.export.block_graphs import KINDS, activation_io, build_block_graph
 from k2trt.export.checks import check_onnx, check_trt_operators
 from k2trt.export.lower_ort import lower_for_ort
 from k2trt.export.onnx_ops import weight_prep
+from k2trt.export.split_moe import split_moe
 from k2trt.graphs.fp8 import PER_TOKEN_GROUP, WEIGHT_DEQUANT
 
 
 def export_kind(cfg: K2Config, out: Path, kind: str, act_dtype: str, activation_quant: int) -> dict[str, dict]:
     """Both forms of one block kind, checked and written; -> {manifest key: graph entry}."""
-    trt_model = build_block_graph(cfg, kind, act_dtype, activation_quant)
+    recorded = build_block_graph(cfg, kind, act_dtype, activation_quant)
+    trt_model = split_moe(recorded)  # one plugin per kernel: every node has an AOT implementation
     check_onnx(trt_model, f"trt/{kind}")
     check_trt_operators(trt_model, f"trt/{kind}")
-    ort_model, prep = lower_for_ort(trt_model, act_dtype)
+    ort_model, prep = lower_for_ort(recorded, act_dtype)
     check_onnx(ort_model, f"ort/{kind}")
     acts = {name for name, _, _ in activation_io(cfg, kind, act_dtype)[0]}
     return {

@@ -23,7 +23,7 @@ FORMAT = "k2trt-export/1"
 # The modules whose code decides what the graphs contain: a change to any of them makes old graphs stale.
 GRAPH_SOURCES = ("k2trt.dtypes", "k2trt.graphs.blocks", "k2trt.graphs.contracts", "k2trt.graphs.weights",
                  "k2trt.graphs.weight_prep", "k2trt.export.onnx_ops", "k2trt.export.block_graphs",
-                 "k2trt.export.lower_ort", "k2trt.export.checks", "k2trt.export.exporter")
+                 "k2trt.export.lower_ort", "k2trt.export.split_moe", "k2trt.export.checks", "k2trt.export.exporter")
 
 
 @functools.lru_cache(maxsize=1)

@@ -25,6 +25,11 @@ def elem(dtype: str) -> int:
     return dtype_info(dtype).onnx
 
 
+def plugin_attributes() -> dict[str, str]:
+    """The attributes TensorRT's ONNX parser finds a custom node's plugin by (besides its op_type)."""
+    return {"plugin_namespace": contracts.NAMESPACE, "plugin_version": contracts.PLUGIN_VERSION}
+
+
 PREP_KEY = "k2trt.weight_prep"
 
 
@@ -240,8 +245,7 @@ class OnnxOps:
         return self._prepared[name]
 
     def _custom(self, contract: contracts.NodeContract, ins, out_shape, activation_quant: int):
-        y = self.node(contract.op_type, ins, ins[0].dtype, domain=contracts.NAMESPACE,
-                      plugin_namespace=contracts.NAMESPACE, plugin_version=contracts.PLUGIN_VERSION,
+        y = self.node(contract.op_type, ins, ins[0].dtype, domain=contracts.NAMESPACE, **plugin_attributes(),
                       activation_quant=int(activation_quant))
         return self.annotate(y, out_shape)
 

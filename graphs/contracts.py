@@ -1,7 +1,13 @@
-"""The custom nodes of the TensorRT-bound graphs, defined once.
+"""The custom nodes of the graphs, defined once.
 
-The exporter emits these nodes, the torch reference registers them as torch.library custom ops, the ONNX Runtime
-lowering replaces them, and the TensorRT plugins implement them; tests check that all four agree with this table.
+Two families:
+  * the nodes graphs/blocks.py records (RECORDED): Fp8BlockLinear and MoeFp8. The torch reference registers them
+    as torch.library custom ops, the ONNX Runtime lowering replaces them;
+  * the nodes of the TensorRT-bound graphs (TENSORRT), each a TensorRT plugin that is exactly one kernel (so every
+    one has an AOT implementation): Fp8BlockLinear, and the four stages MoeFp8 is expanded into by
+    export/split_moe.py (MOE_STAGES: align, gate+up, down, combine), whose torch references are in
+    graphs/moe_ref.py.
+Tests check that the exporter, the references, the lowering, the split and the plugins agree with this table.
 
 A node maps to a `tensorrt.plugin` plugin when its op_type equals the plugin name and its string attribute
 `plugin_namespace` equals the plugin namespace (TensorRT's ONNX parser rule). The node's domain is the same
@@ -17,6 +23,11 @@ PLUGIN_VERSION = "1"
 DOMAIN_VERSION = 1
 
 ACTIVATION_DTYPES = ("float32", "bfloat16", "float16")
+FP8 = "float8_e4m3fn"
+# A port of this kind holds activations: fp8 e4m3 under W8A8 (with its scales in a port of their own), the
+# activation dtype under W8A16.
+QUANTIZED_ACTIVATION = (FP8, *ACTIVATION_DTYPES)
+W8A8 = 1  # the activation_quant value that quantizes activations (graphs/fp8.PER_TOKEN_GROUP)
 
 
 @dataclass(frozen=True)
@@ -26,12 +37,24 @@ class Port:
     shape: str  # documentation, in terms of the dims below
     doc: str = ""
 
+    def dtype_for(self, act: str | None, activation_quant: int) -> str:
+        """The element type this port has in a graph computing in `act` with the given FP8 mode."""
+        if self.dtypes in (ACTIVATION_DTYPES, QUANTIZED_ACTIVATION):
+            if self.dtypes == QUANTIZED_ACTIVATION and activation_quant == W8A8:
+                return FP8
+            if act is None:
+                raise ValueError(f"port {self.name} follows the activation dtype, and none is given")
+            return act
+        if len(self.dtypes) != 1:
+            raise ValueError(f"port {self.name}: dtypes {self.dtypes} follow no rule")
+        return self.dtypes[0]
+
 
 @dataclass(frozen=True)
 class Attribute:
     name: str
     type: str  # "int" | "float" | "str"
-    default: object
+    default: object  # None: required
     doc: str
 
 
@@ -42,6 +65,7 @@ class NodeContract:
     inputs: tuple[Port, ...]
     outputs: tuple[Port, ...]
     attributes: tuple[Attribute, ...] = field(default_factory=tuple)
+    tensorrt: str = "plugin"  # how it reaches TensorRT: "plugin", or the module that expands it
 
     @property
     def plugin_id(self) -> str:
@@ -49,6 +73,12 @@ class NodeContract:
 
     def attribute_names(self) -> list[str]:
         return [a.name for a in self.attributes]
+
+    def port(self, name: str) -> Port:
+        for p in self.inputs + self.outputs:
+            if p.name == name:
+                return p
+        raise KeyError(f"{self.op_type} has no port {name!r}")
 
 
 ACTIVATION_QUANT = Attribute(
@@ -89,9 +119,79 @@ MOE_FP8 = NodeContract(
     ),
     outputs=(Port("y", ACTIVATION_DTYPES, "[B, T, d]", "same dtype as x"),),
     attributes=(ACTIVATION_QUANT,),
+    tensorrt="expanded into MoeAlign → MoeGateUp → MoeDown → MoeCombine by export/split_moe.py",
 )
 
-CONTRACTS = {c.op_type: c for c in (FP8_BLOCK_LINEAR, MOE_FP8)}
+# ---- the stages of MoeFp8 in the TensorRT-bound graphs: one kernel each ------------------------------------
+# n = B·T·k (token, expert) pairs; pair p is token p // k, slot p % k. The intermediates are graph tensors whose
+# size is bounded by the shapes alone (no data-dependent shapes, no scratch memory).
+
+_SORTED = Port("sorted_pairs", ("int32",), "[n]", "pair ids ordered by expert, in pair order within an expert")
+_OFFSETS = Port("expert_offsets", ("int32",), "[E + 1]",
+                "start of each expert's run in sorted_pairs; expert_offsets[E] = n")
+
+MOE_ALIGN = NodeContract(
+    op_type="MoeAlign",
+    doc=("Stage 1 of MoeFp8: sort the (token, expert) pairs by expert (stable). Expert ids outside [0, E) are "
+         "clamped into it: the router never produces them, and TensorRT times plugins on uninitialized inputs."),
+    inputs=(Port("topk_ids", ("int32",), "[B, T, k]"),),
+    outputs=(_SORTED, _OFFSETS),
+    attributes=(Attribute("num_experts", "int", None, "E"),),
+)
+
+MOE_GATE_UP = NodeContract(
+    op_type="MoeGateUp",
+    doc=("Stage 2 of MoeFp8: for sorted row r (pair p = sorted_pairs[r], token p // k, expert e with "
+         "expert_offsets[e] <= r < expert_offsets[e+1]) h[r] = SiLU(x·gate_eᵀ)·(x·up_eᵀ), each rounded to x's dtype "
+         "as the reference does; under W8A8 x is quantized per token per 128 channels and h is re-quantized the "
+         "same way."),
+    inputs=(
+        Port("x", ACTIVATION_DTYPES, "[B, T, d]"),
+        _SORTED, _OFFSETS,
+        Port("gate_weight", (FP8,), "[E, I, d]"),
+        Port("gate_scale_inv", ("float32",), "[E, ceil(I/128), ceil(d/128)]"),
+        Port("up_weight", (FP8,), "[E, I, d]"),
+        Port("up_scale_inv", ("float32",), "[E, ceil(I/128), ceil(d/128)]"),
+    ),
+    outputs=(
+        Port("h", QUANTIZED_ACTIVATION, "[n, I]", "float8_e4m3fn under W8A8, x's dtype under W8A16; sorted rows"),
+        Port("h_scale", ("float32",), "[n, ceil(I/128)]", "per row and 128 channels (W8A8); 1 under W8A16"),
+    ),
+    attributes=(ACTIVATION_QUANT,),
+)
+
+MOE_DOWN = NodeContract(
+    op_type="MoeDown",
+    doc=("Stage 3 of MoeFp8: pair_out[sorted_pairs[r]] = (h[r]·h_scale[r])·down_eᵀ for the expert e of row r, "
+         "accumulated in float32 and rounded to the activation dtype."),
+    inputs=(
+        Port("h", QUANTIZED_ACTIVATION, "[n, I]", "as MoeGateUp writes it"),
+        Port("h_scale", ("float32",), "[n, ceil(I/128)]"),
+        _SORTED, _OFFSETS,
+        Port("down_weight", (FP8,), "[E, d, I]"),
+        Port("down_scale_inv", ("float32",), "[E, ceil(d/128), ceil(I/128)]"),
+    ),
+    outputs=(Port("pair_out", ACTIVATION_DTYPES, "[n, d]", "in pair order; the dtype out_dtype names"),),
+    attributes=(ACTIVATION_QUANT,
+                Attribute("out_dtype", "int", None,
+                          "the activation dtype as an ONNX element type (as Cast's `to`): 1 float32, 10 float16, "
+                          "16 bfloat16 — under W8A8 no input carries it")),
+)
+
+MOE_COMBINE = NodeContract(
+    op_type="MoeCombine",
+    doc="Stage 4 of MoeFp8: y[t] = Σ_j topk_weights[t, j] · pair_out[t·k + j], summed in float32.",
+    inputs=(
+        Port("pair_out", ACTIVATION_DTYPES, "[n, d]"),
+        Port("topk_weights", ("float32",), "[B, T, k]"),
+    ),
+    outputs=(Port("y", ACTIVATION_DTYPES, "[B, T, d]", "same dtype as pair_out"),),
+)
+
+MOE_STAGES = (MOE_ALIGN, MOE_GATE_UP, MOE_DOWN, MOE_COMBINE)
+RECORDED = (FP8_BLOCK_LINEAR, MOE_FP8)  # what graphs/blocks.py records
+TENSORRT = (FP8_BLOCK_LINEAR, *MOE_STAGES)  # the nodes of the TensorRT-bound graphs: one plugin each
+CONTRACTS = {c.op_type: c for c in (*RECORDED, *MOE_STAGES)}
 
 
 def markdown_table() -> str:
@@ -100,12 +200,14 @@ def markdown_table() -> str:
     for c in CONTRACTS.values():
         lines.append(f"#### `{c.plugin_id}` (ONNX domain `{NAMESPACE}`, `plugin_namespace=\"{NAMESPACE}\"`)\n")
         lines.append(c.doc + "\n")
+        lines.append(f"TensorRT: {'a plugin (JIT and AOT)' if c.tensorrt == 'plugin' else c.tensorrt}.\n")
         lines.append("| port | name | dtype | shape | note |")
         lines.append("|---|---|---|---|---|")
         for kind, ports in (("in", c.inputs), ("out", c.outputs)):
             for p in ports:
                 lines.append(f"| {kind} | `{p.name}` | {' / '.join(p.dtypes)} | {p.shape} | {p.doc} |")
         for a in c.attributes:
-            lines.append(f"| attr | `{a.name}` | {a.type} (default {a.default}) | | {a.doc} |")
+            default = "required" if a.default is None else f"default {a.default}"
+            lines.append(f"| attr | `{a.name}` | {a.type} ({default}) | | {a.doc} |")
         lines.append("")
     return "\n".join(lines)

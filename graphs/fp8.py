@@ -72,15 +72,19 @@ def dequant_activation(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                      activation_quant: int = WEIGHT_DEQUANT) -> torch.Tensor:
     """y = x · Wᵀ for an FP8 block-scaled weight [N, K]; y has x's dtype, accumulation in fp32."""
-    w = dequant_weight(weight, scale_inv, torch.float32)
     if activation_quant == PER_TOKEN_GROUP:
-        q, s = quantize_activation(x)
-        a = dequant_activation(q, s)
-    elif activation_quant == WEIGHT_DEQUANT:
-        # DeepSeek's weight-dequant path runs the GEMM in the compute dtype (bf16 on GPU).
-        a = x.float()
-        if x.dtype != torch.float32:
-            w = w.to(x.dtype).float()
-    else:
+        return fp8_block_linear_quantized(*quantize_activation(x), weight, scale_inv, x.dtype)
+    if activation_quant != WEIGHT_DEQUANT:
         raise ValueError(f"activation_quant must be {WEIGHT_DEQUANT} or {PER_TOKEN_GROUP}, got {activation_quant}")
-    return (a @ w.T).to(x.dtype)
+    # DeepSeek's weight-dequant path runs the GEMM in the compute dtype (bf16 on GPU).
+    w = dequant_weight(weight, scale_inv, torch.float32)
+    if x.dtype != torch.float32:
+        w = w.to(x.dtype).float()
+    return (x.float() @ w.T).to(x.dtype)
+
+
+def fp8_block_linear_quantized(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                               dtype: torch.dtype) -> torch.Tensor:
+    """The W8A8 linear on activations already quantized (q fp8 [.., K], s [.., K/128]): y in `dtype`."""
+    w = dequant_weight(weight, scale_inv, torch.float32)
+    return (dequant_activation(q, s) @ w.T).to(dtype)

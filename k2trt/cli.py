@@ -23,6 +23,7 @@ COMMANDS = {
     "serve": ("k2trt.runtime.serve.cli", "an OpenAI-compatible HTTP server with continuous batching"),
     "bench-serve": ("k2trt.tools.bench_serve", "concurrent clients over HTTP against a live server: tokens/s, TTFT, ITL"),
     "plan": ("k2trt.tools.plan", "split the model over N devices as pipeline stages, by exact bytes"),
+    "doctor": ("k2trt.tools.doctor", "check the TensorRT path on this machine: versions, plugins, engines, tokens"),
 }
 
 

@@ -14,6 +14,9 @@ from k2trt.export.block_graphs import KINDS, activation_io, build_block_graph
 from k2trt.export.checks import GraphCheckError, check_trt_operators
 from k2trt.export.exporter import export
 from k2trt.export.manifest import read_manifest
+from k2trt.export.onnx_ops import elem as onnx_elem
+from k2trt.export.split_moe import split_moe
+from k2trt.graphs.fp8 import quantize_weight as ref_quantize
 from k2trt.graphs import contracts
 from k2trt.graphs import weights as W
 from k2trt.tools.synthetic import RandomWeights
@@ -120,19 +123,71 @@ def test_dynamic_dims_are_named_the_same_everywhere(random_export):
                 assert isinstance(d, int) or d in ("B", "T", "P", "P+T"), (entry["file"], io)
 
 
+def _follows_contract(node, seen: set) -> None:
+    c = contracts.CONTRACTS[node.op_type]
+    seen.add(node.op_type)
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    assert set(attrs) == {"plugin_namespace", "plugin_version", *c.attribute_names()}, node.name
+    assert attrs["plugin_namespace"] == contracts.NAMESPACE.encode()
+    assert len(node.input) == len(c.inputs) and len(node.output) == len(c.outputs)
+
+
 def test_custom_nodes_follow_their_contracts():
-    model = build_block_graph(TINY, "moe_block")
+    seen = set()
+    for node in build_block_graph(TINY, "moe_block").graph.node:
+        if node.domain == contracts.NAMESPACE:
+            _follows_contract(node, seen)
+    assert seen == {c.op_type for c in contracts.RECORDED}
+
+
+@pytest.mark.parametrize("act, aq", [("bfloat16", 1), ("float32", 0)])
+def test_trt_graphs_hold_one_plugin_per_kernel(act, aq):
+    """The TensorRT-bound form: MoeFp8 expanded, every custom node a TensorRT contract, dtypes as the contract
+    says for this activation dtype and FP8 mode (shape inference runs through the annotations)."""
+    model = split_moe(build_block_graph(TINY, "moe_block", act, aq))
+    check_trt_operators(model, "trt/moe_block")
+    inferred = onnx.shape_inference.infer_shapes(model).graph
+    types = {v.name: v.type.tensor_type.elem_type for v in list(inferred.input) + list(inferred.value_info)
+             + list(inferred.output)}
     seen = set()
     for node in model.graph.node:
         if node.domain != contracts.NAMESPACE:
             continue
+        _follows_contract(node, seen)
         c = contracts.CONTRACTS[node.op_type]
-        seen.add(node.op_type)
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        assert set(attrs) == {"plugin_namespace", "plugin_version", *c.attribute_names()}
-        assert attrs["plugin_namespace"] == contracts.NAMESPACE.encode()
-        assert len(node.input) == len(c.inputs) and len(node.output) == len(c.outputs)
-    assert seen == set(contracts.CONTRACTS)
+        for port, value in zip(c.inputs + c.outputs, list(node.input) + list(node.output)):
+            assert types[value] == onnx_elem(port.dtype_for(act, aq)), (node.name, port.name)
+    assert seen == {c.op_type for c in contracts.TENSORRT}
+
+
+def test_split_moe_computes_moefp8():
+    """The four stage nodes, run in graph order with their torch references on the values the graph wires
+    between them, give exactly what the MoeFp8 node they replace gives."""
+    from k2trt.graphs import moe_ref
+    from k2trt.dtypes import BY_ONNX
+
+    g = torch.Generator().manual_seed(5)
+    e, d, i = TINY.n_routed_experts, TINY.hidden_size, TINY.moe_intermediate_size
+    ws = [ref_quantize(torch.randn(e, *shape, generator=g) / 10) for shape in ((i, d), (i, d), (d, i))]
+    for aq in (0, 1):
+        recorded = build_block_graph(TINY, "moe_block", "float32", aq)
+        (moe_node,) = [n for n in recorded.graph.node if n.op_type == "MoeFp8"]
+        x = torch.randn(2, 3, d, generator=g)
+        ids = torch.randint(0, e, (2, 3, TINY.num_experts_per_tok), generator=g, dtype=torch.int32)
+        w = torch.rand(2, 3, TINY.num_experts_per_tok, generator=g)
+        values = dict(zip(moe_node.input, [x, ids, w, *ws[0], *ws[1], *ws[2]]))
+        stages = {"MoeAlign": lambda v, a: moe_ref.moe_align_reference(v[0], a["num_experts"]),
+                  "MoeGateUp": lambda v, a: moe_ref.moe_gate_up_reference(*v, a["activation_quant"]),
+                  "MoeDown": lambda v, a: moe_ref.moe_down_reference(*v, a["activation_quant"],
+                                                                      BY_ONNX[a["out_dtype"]].torch),
+                  "MoeCombine": lambda v, a: moe_ref.moe_combine_reference(*v)}
+        for node in split_moe(recorded).graph.node:
+            if node.op_type in stages:
+                attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+                out = stages[node.op_type]([values[v] for v in node.input], attrs)
+                values.update(zip(node.output, out if isinstance(out, tuple) else (out,)))
+        assert torch.equal(values[moe_node.output[0]], moe_ref.moe_fp8_reference(x, ids, w, *ws[0], *ws[1], *ws[2],
+                                                                                   aq))
 
 
 def test_operator_check_rejects_a_runtime_dequantize_scale():

@@ -208,15 +208,15 @@ def test_a_killed_rank_ends_every_rank(tiny_ckpt, tiny_export):
     proc = subprocess.Popen(K2TRT + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     victim = None
-    while victim is None and time.monotonic() < deadline:  # find rank 1 once it is generating
-        for pid in os.listdir("/proc"):
-            if pid.isdigit():
-                try:
-                    env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-                except OSError:
-                    continue
-                if b"RANK=1" in env and any(e.startswith(b"K2TRT_STORE=") for e in env):
-                    victim = int(pid)
+    while victim is None and time.monotonic() < deadline:  # rank 1: the launcher's child with RANK=1
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                parent = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            except (OSError, IndexError, ValueError):
+                continue
+            if parent == proc.pid and b"RANK=1" in env:
+                victim = int(pid)
         time.sleep(0.5)
     assert victim is not None
     time.sleep(8)  # loaded and stepping

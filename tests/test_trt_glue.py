@@ -1,6 +1,7 @@
 """The TensorRT glue that runs without TensorRT: profiles, the engine manifest and its checks, the plugin
-descriptions against the node contracts and the exported nodes, the AOT linear kernel (under Triton's interpreter
-and compiled to PTX), and the one-line errors of `k2trt build` / the backend where TensorRT is missing."""
+descriptions against the node contracts and the exported nodes, the plugins registered with and parsed by a
+stand-in that follows TensorRT's own source (tests/trt_standin.py), every AOT kernel launched as TensorRT would
+launch it (under Triton's interpreter) and compiled to PTX, and the one-line errors where TensorRT is missing."""
 
 from __future__ import annotations
 
@@ -17,13 +18,15 @@ import textwrap
 import onnx
 import pytest
 import torch
+import trt_standin as S
+from tolerances import assert_close
 
 from k2trt.cli import main
 from k2trt.config import K2Config
 from k2trt.errors import K2Error, MissingDependency
 from k2trt.export import manifest as export_manifest
 from k2trt.export.block_graphs import build_block_graph
-from k2trt.export.onnx_ops import elem as onnx_elem
+from k2trt.dtypes import BY_ONNX
 from k2trt.graphs import contracts
 from k2trt.graphs.fp8 import fp8_block_linear as reference_linear
 from k2trt.graphs.fp8 import quantize_weight
@@ -151,7 +154,7 @@ def _engine_dir(tmp_path, export: dict):
         path.write_bytes(f"serialized {kind}".encode())
         graph = export["graphs"][f"trt/{kind}"]
         engines[kind] = EM.engine_entry(kind, graph, graph_profiles(TOY_SPEC, graph), path.name,
-                                        EM.sha256_file(path), {"Fp8BlockLinear": "jit", "MoeFp8": "jit"})
+                                        EM.sha256_file(path), {"Fp8BlockLinear": "aot", "MoeAlign": "aot"})
     manifest = EM.make_engine_manifest(export, TOY_SPEC, ENV, engines)
     EM.write_engine_manifest(tmp_path, manifest)
     return manifest
@@ -203,26 +206,48 @@ def test_engine_files_and_format_checked(tmp_path):
         EM.load_engine_manifest(tmp_path / "nowhere", env=ENV)
 
 
+def test_ptx_newer_than_the_driver_is_refused_at_load(tmp_path):
+    export = _export_manifest()
+    _engine_dir(tmp_path, export)
+    m = json.loads((tmp_path / "manifest.json").read_text())
+    (tmp_path / "manifest.json").write_text(json.dumps({**m, "ptx_version": 90}))
+    EM.load_engine_manifest(tmp_path, env={**ENV, "cuda_driver": "13.0"})
+    with pytest.raises(EM.EngineMismatch, match=r"PTX 9.0, this driver \(CUDA 12.9\) loads up to 8.8"):
+        EM.load_engine_manifest(tmp_path, env={**ENV, "cuda_driver": "12.9"})
+
+
+# ---- the PTX an AOT kernel may carry ----------------------------------------------------------------------------
+
+def test_ptx_version_follows_the_driver_and_ptxas():
+    from k2trt.runtime.trt import environment as E
+
+    # PTX ISA release notes: CUDA 12.0-12.5 -> 8.0-8.5, 12.6 none new, 12.7-12.9 -> 8.6-8.8, 13.0 -> 9.0
+    assert [E.max_ptx_for_cuda(12, m) for m in (0, 4, 5, 6, 7, 8, 9)] == [80, 84, 85, 85, 86, 87, 88]
+    assert (E.max_ptx_for_cuda(13, 0), E.max_ptx_for_cuda(13, 2)) == (90, 92)
+    assert E.ptx_version_for((13, 0), 94) == 90  # Triton 3.9's ptxas emits 9.4; a CUDA 13.0 driver loads 9.0
+    assert E.ptx_version_for((12, 9), 94) == 88
+    assert E.ptx_version_for((13, 4), 90) == 90  # never newer than ptxas checks
+    assert E.ptx_version_for(None, None) is None
+
+
 # ---- plugins ↔ contracts ↔ exported nodes ---------------------------------------------------------------------
 
-def test_plugin_specs_behave():
+def test_every_tensorrt_node_is_a_plugin_with_both_implementations():
     specs = P.plugin_specs()
+    assert set(specs) == {c.op_type for c in contracts.TENSORRT}
     for spec in specs.values():
         assert spec.version == P.QDP_PLUGIN_VERSION  # what tensorrt.plugin registers every plugin as
         assert not set(spec.attribute_names) & set(P.PARSER_ATTRIBUTES)  # the parser would swallow them
-    assert specs["Fp8BlockLinear"].output_shape([[2, 3, 256], [512, 256], [4, 2]]) == [2, 3, 512]
-    assert specs["MoeFp8"].output_shape([[2, 3, 256]] + [[1]] * 8) == [2, 3, 256]
-    assert (specs["Fp8BlockLinear"].aot, specs["MoeFp8"].aot) == (True, False)
+    assert specs["Fp8BlockLinear"].tactics == (1, 2, 3) and specs["MoeGateUp"].tactics == (1, 2, 3)
+    assert specs["MoeAlign"].tactics == () and specs["MoeCombine"].tactics == ()
+    assert "MoeFp8" not in specs  # expanded by export/split_moe.py: no plugin, so no Python-only node
 
 
 def test_plugin_functions_have_the_signatures_tensorrt_checks():
     for op, spec in P.plugin_specs().items():
         desc, impl, autotune, aot = P.PLUGIN_FUNCTIONS[op]
         expected = P.expected_signatures(spec)
-        got = {"register": desc, "impl": impl, "autotune": autotune}
-        if aot is not None:
-            got["aot_impl"] = aot
-        assert set(got) == set(expected)
+        got = {"register": desc, "impl": impl, "autotune": autotune, "aot_impl": aot}
         for role, fn in got.items():
             assert list(inspect.signature(fn).parameters) == expected[role], (op, role)
 
@@ -237,47 +262,51 @@ def _dims(t: onnx.TypeProto) -> list:
     return [d.dim_param or d.dim_value for d in t.tensor_type.shape.dim]
 
 
-@pytest.mark.parametrize("kind, act", [("moe_block", "bfloat16"), ("dense_block", "float32")])
-def test_exported_nodes_match_the_plugins(kind, act):
-    model = build_block_graph(TINY, kind, act)
+@pytest.mark.parametrize("kind, act, aq", [("moe_block", "bfloat16", 1), ("moe_block", "float16", 0),
+                                           ("dense_block", "float32", 1)])
+def test_exported_nodes_match_the_plugins(kind, act, aq):
+    """Each node of a TensorRT-bound graph: the plugin's attributes, dtypes (as register derives them) and output
+    shapes (its rule against the exporter's annotation, at two values of B and T)."""
+    from k2trt.export.split_moe import split_moe
+
+    model = split_moe(build_block_graph(TINY, kind, act, aq))
     types = _value_types(model)
     specs = P.plugin_specs()
     custom = [n for n in model.graph.node if n.domain == contracts.NAMESPACE]
-    assert {n.op_type for n in custom} == ({"Fp8BlockLinear", "MoeFp8"} if kind == "moe_block" else {"Fp8BlockLinear"})
+    assert {n.op_type for n in custom} == (set(specs) if kind == "moe_block" else {"Fp8BlockLinear"})
     for node in custom:
         spec = specs[node.op_type]
         attrs = {a.name: a for a in node.attribute}
         assert attrs["plugin_namespace"].s.decode() == spec.namespace
         assert attrs["plugin_version"].s.decode() == spec.version
-        # exactly the attributes the plugin declares, besides those the parser reads itself
         assert set(attrs) - set(P.PARSER_ATTRIBUTES) == set(spec.attribute_names)
-        for name, typ in spec.attributes:
-            assert attrs[name].type == {"int": onnx.AttributeProto.INT, "float": onnx.AttributeProto.FLOAT,
-                                        "str": onnx.AttributeProto.STRING}[typ]
-        assert len(node.input) == len(spec.inputs) and len(node.output) == len(spec.outputs)
-        io_types = []
-        for port, value in zip(spec.inputs + spec.outputs, list(node.input) + list(node.output)):
-            elem = types[value].tensor_type.elem_type
-            assert elem in {onnx_elem(d) for d in port.dtypes}, (node.name, port.name)
-            if port.follows_activation:
-                assert elem == onnx_elem(act), (node.name, port.name)
-            io_types.append(P.autotune_type(act if port.follows_activation else port.dtypes[0]))
-        assert ",".join(io_types) in spec.type_combinations()
-        # the output shape rule agrees with the exporter's annotation wherever a dim is static
-        rule = spec.output_shape([_dims(types[v]) for v in node.input])
-        annotated = _dims(types[node.output[0]])
-        assert len(rule) == len(annotated), node.name
-        for r, a in zip(rule, annotated):
-            assert not (isinstance(r, int) or isinstance(a, int)) or r == a, (node.name, rule, annotated)
+        values = {a: onnx.helper.get_attribute_value(attrs[a]) for a in spec.attribute_names}
+        dtypes = [BY_ONNX[types[v].tensor_type.elem_type].name for v in node.input]
+        assert P.check_input_dtypes(node.op_type, dtypes, values) == (None if node.op_type == "MoeAlign" else act)
+        assert [BY_ONNX[types[v].tensor_type.elem_type].name for v in node.output] == \
+            P.io_dtypes(node.op_type, act, aq)[len(node.input):]
+        if any(isinstance(d, str) and d.startswith("unk") for v in node.input for d in _dims(types[v])):
+            continue  # shape inference lost a dim (TopK's k is an input): the node cases check those plugins
+        for b, t in ((1, 1), (2, 3)):
+            concrete = lambda dims: [eval_dim(d, {"B": b, "T": t}) for d in dims]  # noqa: E731
+            rule = P.output_shapes(node.op_type, [concrete(_dims(types[v])) for v in node.input], values)
+            assert rule == [concrete(_dims(types[v])) for v in node.output], node.name
 
 
-def test_aot_attribute_is_added_only_to_aot_plugins(tmp_path):
+def test_aot_attribute_is_written_on_every_plugin_node(tmp_path):
+    from k2trt.export.split_moe import split_moe
+
     path = tmp_path / "moe.onnx"
-    onnx.save_model(build_block_graph(TINY, "moe_block", "bfloat16"), str(path))
-    model = onnx.load_from_string(B.with_aot_attribute(path))
-    for node in model.graph.node:
-        aot = [a.i for a in node.attribute if a.name == "aot"]
-        assert aot == ([1] if node.op_type == "Fp8BlockLinear" else []), node.name
+    model = split_moe(build_block_graph(TINY, "moe_block", "bfloat16"))
+    model.graph.node[[n.domain for n in model.graph.node].index(contracts.NAMESPACE)].attribute.append(
+        onnx.helper.make_attribute("aot", 0))  # a stale attribute is replaced, not duplicated
+    onnx.save_model(model, str(path))
+    for aot in (True, False):
+        data, used = B.with_aot_attribute(path, aot)
+        for node in onnx.load_from_string(data).graph.node:
+            values = [a.i for a in node.attribute if a.name == "aot"]
+            assert values == ([int(aot)] if node.domain == contracts.NAMESPACE else []), node.name
+        assert used == {op: "aot" if aot else "jit" for op in sorted(P.plugin_specs())}
 
 
 def test_cuda_array_interface_for_types_tensorrt_refuses():
@@ -291,50 +320,260 @@ def test_cuda_array_interface_for_types_tensorrt_refuses():
             assert np.dtype(P.interface_typestr(dtype)).itemsize == getattr(torch, dtype).itemsize
 
 
-# ---- the AOT linear kernel ---------------------------------------------------------------------------------------
+def test_attributes_arrive_as_arrays_and_are_read_as_values():
+    import numpy as np
 
-def test_aot_kernel_argument_order_is_tensorrts():
+    assert P.attribute(np.array([1], dtype=np.int32)) == 1 and isinstance(P.attribute(np.array([7])), int)
+    assert P.attribute("s") == "s"
+    with pytest.raises(ValueError, match="single-value"):
+        P.attribute(np.array([1, 2], dtype=np.int32))
+
+
+# ---- registration and parsing, against the stand-in for TensorRT ---------------------------------------------
+
+@pytest.fixture()
+def standin(monkeypatch):
+    """tensorrt and tensorrt.plugin replaced by the stand-in (tests/trt_standin.py) for register_plugins."""
+    return _install(monkeypatch, S.TensorRTPlugin())
+
+
+def _install(monkeypatch, trtp):
+    from k2trt.runtime.trt import environment
+
+    trt = argparse.Namespace(DataType=S.DataType, plugin=trtp, __version__="10.13.0")
+    monkeypatch.setattr(environment, "import_tensorrt_plugin", lambda: (trt, trtp))
+    monkeypatch.setattr(P, "_REGISTERED", set())
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
+    return trtp
+
+
+def _trt_graph(kind="moe_block", act="bfloat16", aq=1) -> onnx.ModelProto:
+    from k2trt.export.split_moe import split_moe
+
+    return split_moe(build_block_graph(TINY, kind, act, aq))
+
+
+def _plugin_nodes(model):
+    return [n for n in model.graph.node if n.domain == contracts.NAMESPACE]
+
+
+def test_register_plugins_passes_tensorrts_validation(standin):
+    assert P.register_plugins() == {op: "jit+aot" for op in P.plugin_specs()}
+    for op, spec in P.plugin_specs().items():
+        pdef = standin.registry[spec.plugin_id]
+        assert pdef.input_tensor_names == spec.input_names and pdef.num_outputs == len(spec.output_names)
+        assert list(pdef.input_attrs) == spec.attribute_names
+        assert pdef.impl_func and pdef.aot_impl_func and pdef.autotune_func
+        assert pdef.expects_tactic == bool(spec.tactics)
+        # the creator declares INT32 fields for our attributes: what the ONNX parser hands over for INT ones
+        assert set(standin.field_names(spec.plugin_id).values()) <= {"INT32"}
+
+
+def test_standin_rejects_todays_graphs_and_registration(standin, monkeypatch, tmp_path):
+    """What failed before this fix, as TensorRT's source says it fails: (1) the exported graph parsed as it was
+    (no `aot` attribute, no PREFER_* flag) — the creator refuses a plugin with both implementations; (2) attributes
+    annotated `int` — the parser's 1-element array through int() is a TypeError on NumPy >= 2.4."""
+    P.register_plugins()
+    exported = _trt_graph()
+    flags = B.Builder.network_flags(argparse.Namespace(trt=argparse.Namespace(
+        __version__="10.13.0", NetworkDefinitionCreationFlag=S.NetworkDefinitionCreationFlag)))
+    with pytest.raises(S.TensorRTError, match="has both AOT and JIT implementations"):
+        S.parse_plugin_node(standin, _plugin_nodes(exported)[0], flags)
+
+    path = tmp_path / "m.onnx"
+    onnx.save_model(exported, str(path))
+    fixed = onnx.load_from_string(B.with_aot_attribute(path, True)[0])
+    plugins = [S.parse_plugin_node(standin, n, flags) for n in _plugin_nodes(fixed)]
+    assert {p.kind for p in plugins} == {"aot"}
+
+    before = _install(monkeypatch, S.TensorRTPlugin())
+    monkeypatch.setitem(P.ATTRIBUTE_ANNOTATIONS, "int", int)  # the annotation of today's plugins
+    P.register_plugins()
+    with pytest.raises(S.TensorRTError, match="TypeError"):
+        S.parse_plugin_node(before, _plugin_nodes(fixed)[0], flags)
+
+
+def test_jit_engines_reload_their_attributes(standin, tmp_path):
+    """A JIT plugin's attributes are serialized into the engine and handed to create_plugin again on load."""
+    P.register_plugins()
+    path = tmp_path / "m.onnx"
+    onnx.save_model(_trt_graph(), str(path))
+    for node in _plugin_nodes(onnx.load_from_string(B.with_aot_attribute(path, False)[0])):
+        plugin = S.parse_plugin_node(standin, node)
+        assert plugin.kind == "jit"
+        fields = plugin.fields_to_serialize()
+        loaded = standin.create_plugin(plugin.pdef.plugin_id, fields, None)
+        assert [P.attribute(a) for a in loaded.impl_arguments()] == [P.attribute(a) for a in plugin.impl_arguments()]
+
+
+def test_standin_follows_the_parser_and_creator_rules(standin):
+    P.register_plugins()
+    node = _plugin_nodes(_trt_graph())[0]
+    both = (1 << S.NetworkDefinitionCreationFlag.PREFER_AOT_PYTHON_PLUGINS) | \
+        (1 << S.NetworkDefinitionCreationFlag.PREFER_JIT_PYTHON_PLUGINS)
+    with pytest.raises(S.TensorRTError, match="cannot be specified at the same time"):
+        S.parse_plugin_node(standin, node, both)
+    assert S.parse_plugin_node(standin, node, 1 << S.NetworkDefinitionCreationFlag.PREFER_JIT_PYTHON_PLUGINS).kind \
+        == "jit"
+    node.attribute.append(onnx.helper.make_attribute("aot", 1))  # the node's attribute overrides the flag
+    assert S.parse_plugin_node(standin, node, 1 << S.NetworkDefinitionCreationFlag.PREFER_JIT_PYTHON_PLUGINS).kind \
+        == "aot"
+    other = onnx.helper.make_node("Fp8BlockLinear", ["x"], ["y"], name="n", domain="k2trt",
+                                  plugin_namespace="k2trt", plugin_version="2")
+    with pytest.raises(S.TensorRTError, match="Plugin not found"):
+        S.parse_plugin_node(standin, other)
+    # type strings as _str_to_data_type reads them
+    assert S.str_to_data_type("FP32") is S.DataType.FLOAT and S.str_to_data_type("BF16") is S.DataType.BF16
+    with pytest.raises(AttributeError):
+        S.str_to_data_type("bfloat16")
+    assert [P.trt_type_name(d) for d in ("float32", "float16", "bfloat16", "float8_e4m3fn", "int32")] == \
+        ["FLOAT", "HALF", "BF16", "FP8", "INT32"]
+    combos = S.AutoTuneCombination("FP32|FP16, FP32|FP16, INT32", "LINEAR", [1]).combinations()
+    assert [c[0] for c in combos] == [(S.DataType.FLOAT,) * 2 + (S.DataType.INT32,),
+                                      (S.DataType.HALF,) * 2 + (S.DataType.INT32,)]
+
+
+def test_tensorrt_without_aot_registers_jit_only_and_aot_builds_refuse(monkeypatch):
+    _install(monkeypatch, S.JitOnlyTensorRTPlugin())
+    modes = P.register_plugins()
+    assert set(modes.values()) == {"jit"}
+    B.check_plugin_modes(modes, aot=False, version="10.8.0")
+    with pytest.raises(K2Error, match=r"AOT plugins need TensorRT >= 10.9, this is 10.8.0; build with --plugins jit"):
+        B.check_plugin_modes(modes, aot=True, version="10.8.0")
+
+
+# ---- every AOT kernel, launched as TensorRT launches it -------------------------------------------------------
+
+def _descs_of(case, model):
+    """The network's input descriptors of a one-node graph: constant dims where static, dynamic where named."""
+    from k2trt.dtypes import name_of
+
+    inputs = []
+    for vi in model.graph.input:
+        t = case.inputs[vi.name]
+        dims = [S.dim(int(t.shape[i]), bool(d.dim_param)) for i, d in enumerate(vi.type.tensor_type.shape.dim)]
+        inputs.append(S.TensorDesc(dims, getattr(S.DataType, P.trt_type_name(name_of(t.dtype)))))
+    return inputs
+
+
+def _poisoned(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype.is_floating_point:
+        return torch.full(t.shape, float("nan")).to(t.dtype)
+    return torch.full(t.shape, -7, dtype=t.dtype)
+
+
+def _emulate(standin, monkeypatch, tmp_path, case) -> dict[str, list[str]]:
+    """Parse the case's one-node graph, create its AOT plugin, ask for each tactic's launch, and launch the plan
+    under Triton's interpreter with TensorRT's argument order (inputs, extra scalars, outputs) and grid;
+    -> tactic -> mismatches against the reference."""
+    from k2trt.runtime.trt import aot
+    from k2trt.tools.plugin_cases import mismatches, one_node_model
+
+    compiled = {}
+
+    def fake_compile(plan, target=None):
+        name = f"{aot.ENTRY_PREFIX}{plan.label}_{len(compiled)}"
+        compiled[name] = plan
+        return plan, aot.AotKernel(name, f".version 9.0\n.visible .entry {name}(", plan.num_warps * 32, 0)
+
+    monkeypatch.setattr(aot, "compile_plan", fake_compile)
+    model = one_node_model(case)
+    path = tmp_path / f"{case.op_type}.onnx"
+    onnx.save_model(model, str(path))
+    (node,) = onnx.load_from_string(B.with_aot_attribute(path, True)[0]).graph.node
+    plugin = S.parse_plugin_node(standin, node)
+    assert plugin.kind == "aot"
+    inputs = _descs_of(case, model)
+    out_types = plugin.output_types([d.dtype for d in inputs], [d.ndim for d in inputs])
+    shapes = plugin.output_shapes(inputs)
+    names = [p.name for p in contracts.CONTRACTS[case.op_type].outputs]
+    assert [[e.value for e in s] for s in shapes] == [list(case.expected[n].shape) for n in names]
+    types = tuple(d.dtype for d in inputs) + tuple(out_types)
+    results = {}
+    for tactic in plugin.tactics_for(types):
+        launch = plugin.launch(tactic)
+        plan = compiled[launch["name"]]
+        outs = {n: _poisoned(case.expected[n]) for n in names}
+        args = [case.inputs[vi.name].contiguous() for vi in model.graph.input] + launch["extra"] + list(outs.values())
+        plan.kernel[(launch["grid_x"], launch["grid_y"])](*args, **plan.constexprs(), num_warps=plan.num_warps,
+                                                          num_stages=plan.num_stages)
+        assert launch["block_x"] == plan.num_warps * 32
+        results[tactic] = mismatches(case, outs)
+    return results
+
+
+@pytest.mark.parametrize("aq", [1, 0])
+def test_every_aot_kernel_matches_its_reference(standin, monkeypatch, tmp_path, aq):
+    """Each plugin of the TensorRT-bound graphs, every tactic, bf16: the kernel TensorRT would launch writes every
+    output (they start poisoned) and matches the torch reference (skewed routing with an empty expert)."""
+    from k2trt.tools.plugin_cases import node_cases
+
+    P.register_plugins()
+    for case in node_cases("bfloat16", aq):
+        results = _emulate(standin, monkeypatch, tmp_path, case)
+        assert results and all(not m for m in results.values()), (case.label, results)
+        assert len(results) == len(P.plugin_specs()[case.op_type].tactics or [0])
+
+
+@pytest.mark.parametrize("act, aq", [("float32", 1), ("float32", 0), ("float16", 0)])
+def test_aot_linear_and_combine_in_other_dtypes(standin, monkeypatch, tmp_path, act, aq):
+    from k2trt.tools.plugin_cases import node_cases
+
+    P.register_plugins()
+    for case in node_cases(act, aq):
+        if case.op_type in ("Fp8BlockLinear", "MoeCombine"):
+            results = _emulate(standin, monkeypatch, tmp_path, case)
+            assert all(not m for m in results.values()), (case.label, results)
+
+
+def test_aot_linear_kernel_is_the_runtime_kernel():
+    """The AOT linear uses the runtime kernel's helpers and tiles: the same bits, every tactic."""
+    from k2trt.runtime.kernels.fp8_linear import fp8_block_linear as runtime_linear, tactic_config
     from k2trt.runtime.trt import aot_linear as A
 
-    spec = P.plugin_specs()["Fp8BlockLinear"]
-    assert list(A.KERNEL_TENSOR_ARGS) == spec.input_names
-    assert list(A.KERNEL_OUTPUT_ARGS) == [p.name for p in spec.outputs]
-    plan = A.plan_for("bfloat16", 512, 256, 1, 1)
-    runtime_args = [n for n, t in plan.signature().items() if t != "constexpr"]
-    assert runtime_args == ["x_ptr", "w_ptr", "ws_ptr", "M", "y_ptr"]  # inputs, extra scalars, outputs
-    assert set(A.TACTIC_ROWS) == set(spec.tactics)
-
-
-@pytest.mark.parametrize("act, aq, m, n, k", [
-    ("float32", 1, 5, 200, 256), ("float32", 0, 3, 130, 200), ("bfloat16", 1, 17, 256, 128),
-    ("float16", 0, 4, 128, 256),
-])
-def test_aot_kernel_matches_the_reference_and_the_runtime_kernel(act, aq, m, n, k):
-    from k2trt.runtime.kernels.fp8_linear import fp8_block_linear as runtime_linear
-    from k2trt.runtime.trt import aot_linear as A
-
-    dt = getattr(torch, act)
-    g = torch.Generator().manual_seed(m * n + k)
-    x = torch.randn(m, k, generator=g).to(dt)
-    w, s = quantize_weight(torch.randn(n, k, generator=g) * 0.05)
-    plan = A.plan_for(act, n, k, aq, 1)
-    y = torch.empty(m, n, dtype=dt)
-    A.fp8_linear_aot_kernel[(plan.grid_x(m),)](x, w, s, m, y, **plan.constexprs())
-    torch.testing.assert_close(y.float(), reference_linear(x, w, s, aq).float(), rtol=1e-5, atol=1e-5)
-    assert torch.equal(y, runtime_linear(x, w, s, aq))  # same helpers, same tiles: same bits
+    for act, aq, m, n, k in (("float32", 1, 5, 200, 256), ("float32", 0, 3, 130, 200),
+                             ("bfloat16", 1, 17, 256, 128), ("float16", 0, 4, 128, 256)):
+        dt = getattr(torch, act)
+        g = torch.Generator().manual_seed(m * n + k)
+        x = torch.randn(m, k, generator=g).to(dt)
+        w, s = quantize_weight(torch.randn(n, k, generator=g) * 0.05)
+        for tactic in (1, 2):
+            if aq and k % 128:
+                continue
+            plan = A.plan_for(act, n, k, aq, tactic)
+            y = torch.empty(m, n, dtype=dt)
+            A.fp8_linear_aot_kernel[(plan.grid_x(m),)](x, w, s, m, y, **plan.constexprs())
+            assert_close(y, reference_linear(x, w, s, aq))  # one ulp of the output dtype
+            assert torch.equal(y, runtime_linear(x, w, s, aq, config=tactic_config(tactic, n, k)))
 
 
 def test_aot_plan_checks():
     from k2trt.runtime.trt import aot_linear as A
+    from k2trt.runtime.trt import aot_moe as AM
 
     with pytest.raises(ValueError, match="multiple of 128"):
         A.plan_for("bfloat16", 256, 200, 1, 1)
     with pytest.raises(ValueError, match="unknown tactic"):
         A.plan_for("bfloat16", 256, 256, 1, 9)
+    with pytest.raises(ValueError, match="unknown tactic"):
+        AM.gemm_plan("down", 4, 256, 128, "bfloat16", 1, 0)
     plan = A.plan_for("bfloat16", 7168, 2048, 1, 3)
     assert plan.grid_x(300) == 3 * 56
-    smaller = plan.shrink()
-    assert smaller.num_stages == plan.num_stages - 1
+    assert plan.shrink().num_stages == plan.num_stages - 1
+    g = AM.gemm_plan("gate_up", 384, 2048, 7168, "bfloat16", 1, 3)
+    while g.shrink() is not None:  # gate+up keeps its 128-wide groups however far it shrinks
+        g = g.shrink()
+        assert g.block_n == 128
+    # the grid works on TensorRT expressions with only + - * // and tensorrt.plugin.min
+    e = AM.gemm_plan("down", 384, 7168, 2048, "bfloat16", 1, 1).grid(S.dim(64, True), None, minimum=S.minimum)
+    assert e[0].value == moe_kernels().gemm_grid(64, 384, 7168, moe_kernels().GEMM_TACTICS[1])
+
+
+def moe_kernels():
+    from k2trt.runtime.kernels import moe
+
+    return moe
 
 
 PTX = """.version 8.7
@@ -354,33 +593,52 @@ PTX = """.version 8.7
 """
 
 
-def test_unused_trailing_ptx_params_are_stripped():
-    from k2trt.runtime.trt.aot_linear import strip_unused_params
+def test_unused_trailing_ptx_params_are_stripped_and_entries_renamed():
+    from k2trt.runtime.trt.aot import ptx_version_of, rename_entry, strip_unused_params
 
     out = strip_unused_params(PTX, "k", 3)
     assert "k_param_3" not in out and "k_param_2" in out
     with pytest.raises(ValueError, match="reads its extra parameter k_param_2"):
         strip_unused_params(PTX, "k", 2)
+    renamed = rename_entry(out, "k", "k2trt_k_1")
+    assert ".entry k2trt_k_1(" in renamed and "[k2trt_k_1_param_0]" in renamed and "k_param" not in \
+        renamed.replace("k2trt_k_1_param", "")
+    assert ptx_version_of(renamed) == (8, 7)
 
 
 @pytest.mark.slow
-def test_aot_kernel_compiles_to_ptx_for_hopper():
-    # Triton's compiler refuses interpreted functions: compile in a process without TRITON_INTERPRET.
+def test_aot_kernels_compile_to_ptx_for_hopper():
+    """Every AOT plan compiled for sm_90 with the PTX version a CUDA 12.9 driver loads: `.version 8.8`, a unique
+    `k2trt_` entry per plan and per call, exactly TensorRT's launch parameters, cp.async where the tiles pipeline
+    (pointers are declared 16-byte aligned), shared memory within the AOT limit."""
     code = textwrap.dedent("""
-        from triton.backends.compiler import GPUTarget
-        from k2trt.runtime.trt.aot_linear import AOT_SHARED_LIMIT, compile_plan, plan_for
-        plan, name, ptx, block_x, shared = compile_plan(plan_for("bfloat16", 7168, 2048, 1, 1),
-                                                        target=GPUTarget("cuda", 90, 32))
-        entry = ptx[ptx.index(".entry " + name):]
-        params = entry[:entry.index(")")].count(".param")
-        assert params == 5, params
-        assert block_x == plan.num_warps * 32 and shared <= AOT_SHARED_LIMIT
-        print("ok", name)
+        import re
+        from k2trt.runtime.trt import aot, aot_linear, aot_moe
+        target = aot.Target(90, 88)
+        plans = [aot_moe.AlignPlan(16), aot_moe.CombinePlan(256, 2, "bfloat16"),
+                 aot_moe.gemm_plan("gate_up", 16, 128, 256, "bfloat16", 1, 1),
+                 aot_moe.gemm_plan("down", 16, 256, 512, "bfloat16", 1, 1),
+                 aot_linear.plan_for("bfloat16", 1536, 7168, 1, 1), aot_linear.plan_for("bfloat16", 1536, 7168, 1, 1)]
+        names = set()
+        for plan in plans:
+            plan, k = aot.compile_plan(plan, target)
+            assert aot.ptx_version_of(k.ptx) == (8, 8), (plan.label, aot.ptx_version_of(k.ptx))
+            entries = re.findall(r"\\.visible \\.entry (\\w+)\\(", k.ptx)
+            assert entries == [k.name] and k.name.startswith("k2trt_" + plan.label), (entries, k.name)
+            assert k.name not in names
+            names.add(k.name)
+            runtime = [n for n in plan.kernel.arg_names if n not in plan.constexprs()]
+            head = k.ptx[k.ptx.index(".entry " + k.name):]
+            assert head[:head.index(")")].count(".param") == len(runtime), plan.label
+            assert k.shared <= aot.AOT_SHARED_LIMIT and k.block_x == plan.num_warps * 32
+            if plan.num_stages > 1:
+                assert "cp.async" in k.ptx, plan.label
+        print("ok", len(names))
     """)
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "ok fp8_linear_aot_kernel" in r.stdout
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "ok 6" in r.stdout
 
 
 # ---- build helpers -------------------------------------------------------------------------------------------
@@ -388,7 +646,7 @@ def test_aot_kernel_compiles_to_ptx_for_hopper():
 def test_parser_errors_become_one_line():
     line = B.format_parser_errors("trt/moe_block.onnx", [
         ("Fp8BlockLinear_12", "Fp8BlockLinear", "Plugin not found: k2trt::Fp8BlockLinear\nmore"),
-        ("MoeFp8_3", "MoeFp8", "Plugin not found")])
+        ("MoeAlign_3", "MoeAlign", "Plugin not found")])
     assert line == ("trt/moe_block.onnx: TensorRT's ONNX parser failed at node 'Fp8BlockLinear_12' "
                     "(Fp8BlockLinear): Plugin not found: k2trt::Fp8BlockLinear (+1 more)")
     assert "\n" not in B.format_parser_errors("g", [])
@@ -404,18 +662,40 @@ def test_network_inputs_checked_against_the_manifest():
         B.check_network_inputs(ok[:-1], TOY_GRAPH, "toy")
 
 
-def test_network_flags_and_plugin_modes():
-    class Flag:
-        STRONGLY_TYPED = 2
+def test_network_flags_are_tensorrts():
+    class Flag10:  # NvInfer.h, TensorRT 10.x
+        STRONGLY_TYPED = S.NetworkDefinitionCreationFlag.STRONGLY_TYPED
 
-    def fake(version):
-        return argparse.Namespace(trt=argparse.Namespace(__version__=version, NetworkDefinitionCreationFlag=Flag))
+    class Flag11:  # TensorRT 11: strongly typed always, the flag deprecated (0) and ignored
+        STRONGLY_TYPED = 0
 
-    assert B.Builder.network_flags(fake("11.4.0")) == 0
-    assert B.Builder.network_flags(fake("10.13.0")) == 1 << 2
-    avail = {"Fp8BlockLinear": "jit+aot", "MoeFp8": "jit"}
-    assert B.plugin_modes({}, avail, True) == {"Fp8BlockLinear": "aot", "MoeFp8": "jit"}
-    assert B.plugin_modes({}, avail, False) == {"Fp8BlockLinear": "jit", "MoeFp8": "jit"}
+    def fake(version, flag):
+        return argparse.Namespace(trt=argparse.Namespace(__version__=version, NetworkDefinitionCreationFlag=flag))
+
+    assert B.Builder.network_flags(fake("10.13.0", Flag10)) == 1 << 1
+    assert B.Builder.network_flags(fake("11.1.0", Flag11)) == 0
+
+
+def test_build_progress_lines():
+    from k2trt.runtime.trt.progress import BuildProgress
+
+    now = [0.0]
+    lines = []
+    p = BuildProgress("[1/4] moe_block", lines.append, clock=lambda: now[0], interval=5.0)
+    p.phase_start("Building engine", None, 3)
+    p.phase_start("Tactic selection", "Building engine", 100)
+    p.phase_start("inner detail", "Tactic selection", 1)  # below max_depth: not shown
+    for step in range(100):
+        now[0] += 0.1
+        assert p.step_complete("Tactic selection", step) is True
+    p.phase_finish("inner detail")
+    p.phase_finish("Tactic selection")
+    p.phase_finish("Building engine")
+    assert lines[0] == "  [1/4] moe_block: Building engine (3 steps)"
+    assert lines[1] == "  [1/4] moe_block:   Tactic selection (100 steps)"
+    assert sum("Tactic selection:" in line for line in lines) == 2  # the first step, then at most every 5 s
+    assert lines[-2] == "  [1/4] moe_block:   Tactic selection done in 10.0 s"
+    assert lines[-1] == "  [1/4] moe_block: Building engine done in 10.0 s"
 
 
 @pytest.mark.skipif(HAVE_TENSORRT, reason="checks the message shown where TensorRT is missing")
@@ -481,99 +761,84 @@ def test_output_shapes_and_weight_upload(exported):
     assert c.shape == (4, 4) and arena.buffers["h"].numel() == 16
 
 
-# ---- registration wiring, against a stand-in for tensorrt.plugin -----------------------------------------------
+# ---- k2trt doctor ----------------------------------------------------------------------------------------------
 
-class _FakeTrtp:
-    """Just enough of tensorrt.plugin to run register_plugins and the plugin functions on CPU: it records the
-    decorated functions and applies TensorRT's rule that register parameters are annotated."""
+@pytest.mark.skipif(HAVE_TENSORRT and torch.cuda.is_available(), reason="checks the line shown without TensorRT/GPU")
+def test_doctor_without_tensorrt_or_gpu_says_which_in_one_line(capsys):
+    rc = main(["doctor"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("k2trt doctor: error: ")
+    if not HAVE_TENSORRT:
+        assert "TensorRT is not installed" in err
+    if not torch.cuda.is_available():
+        assert "no CUDA GPU is visible" in err
 
-    class TensorDesc:
-        def __init__(self, shape_expr=(), dtype=None):
-            self.shape_expr, self.dtype = list(shape_expr), dtype
 
-        @property
-        def ndim(self):
-            return len(self.shape_expr)
+def test_doctor_reports_each_step_in_one_line():
+    from k2trt.tools import doctor
 
-    class KernelLaunchParams:
+    def boom(state):
+        raise RuntimeError("parser failed at node 'x'\nstack trace line")
+
+    lines = []
+    steps = [doctor.Step("first", lambda s: "fine"), doctor.Step("second", boom, ("first",)),
+             doctor.Step("third", lambda s: "never", ("second",)), doctor.Step("fourth", lambda s: "ok", ("first",))]
+    assert doctor.run_steps(steps, {}, lines.append) == 1
+    assert [line.split(":")[0] for line in lines] == ["  pass  first", "  FAIL  second", "  skip  third (needs",
+                                                      "  pass  fourth"]
+    assert lines[1] == "  FAIL  second: parser failed at node 'x'"
+
+
+def test_doctor_checks_every_plugin_and_the_tokens():
+    from k2trt.tools import doctor
+
+    names = [s.name for s in doctor.steps()]
+    assert names[:2] == ["TensorRT and CUDA", "plugin registration"]
+    assert {n.split()[2] for n in names if n.startswith("one-node engine")} == set(P.plugin_specs())
+    assert names[-2:] == ["tiny model block engines", "8 tokens vs ONNX Runtime"]
+
+
+def test_standin_refuses_what_tensorrt_refuses():
+    """The stand-in's validators are TensorRT's, not ours: wrong schemas fail, and an aot_impl that declares only
+    some attributes registers but fails when TensorRT passes it all of them (get_launch_params)."""
+    import numpy as np
+    import numpy.typing as npt
+
+    trtp = S.TensorRTPlugin()
+
+    def desc(x, a, b):
+        return trtp.from_shape_expr(x.shape_expr, x.dtype)
+
+    # real objects, not PEP 563 strings: TensorRT reads inspect.signature's annotations as they are
+    desc.__annotations__ = {"x": S.TensorDesc, "a": npt.NDArray[np.int32], "b": npt.NDArray[np.int32],
+                            "return": S.TensorDesc}
+    trtp.register("toy::op")(desc)
+    with pytest.raises(ValueError, match="expected schema"):
+        trtp.impl("toy::op")(lambda x, a, b, outputs: None)  # no stream
+    with pytest.raises(ValueError, match="expected schema"):
+        trtp.impl("toy::op")(lambda x, b, a, outputs, stream: None)  # attributes out of register order
+
+    def no_return(x, a, b, outputs, tactic):
         pass
 
-    class SymExprs:
-        pass
+    with pytest.raises(ValueError, match="No return annotation"):
+        trtp.aot_impl("toy::op")(no_return)
 
-    class SymIntExprs(SymExprs, list):
-        def __init__(self, n):
-            list.__init__(self, [None] * n)
+    def only_b(x, b, outputs, tactic):
+        return "k", "ptx", S.KernelLaunchParams(), S.SymIntExprs(0)
 
-    def __init__(self):
-        self.registered = {}
+    only_b.__annotations__ = {"return": tuple[str, str, S.KernelLaunchParams, S.SymIntExprs]}
 
-    def _recorder(self, role):
-        def decorator_for(plugin_id):
-            def record(fn):
-                self.registered[(plugin_id, role)] = fn
-                return fn
-            return record
-        return decorator_for
+    trtp.aot_impl("toy::op")(only_b)  # a subset validates...
+    plugin = trtp.create_plugin("toy::op", {"a": np.array([1], np.int32), "b": np.array([2], np.int32)},
+                                S.QuickPluginCreationRequest.STRICT_AOT)
+    plugin.output_shapes([S.TensorDesc([S.dim(4)], S.DataType.FLOAT)])
+    with pytest.raises(TypeError):
+        plugin.launch(0)  # ...but TensorRT calls aot_impl with every attribute
 
-    def __getattr__(self, role):
-        if role in ("register", "impl", "autotune", "aot_impl"):
-            return self._recorder(role)
-        raise AttributeError(role)
+    def listed(x, a):
+        return x
 
-    @staticmethod
-    def from_shape_expr(dims, dtype):
-        return ("desc", tuple(dims), dtype)
-
-    @staticmethod
-    def AutoTuneCombination(types, layouts, tactics):
-        return (types, layouts, tactics)
-
-    @staticmethod
-    def SymInt32(e):
-        return ("i32", e)
-
-
-class _Dim(int):
-    is_fake, is_constant = False, True
-
-    def constant_value(self):
-        return int(self)
-
-
-def test_register_plugins_wires_every_function(monkeypatch):
-    fake = _FakeTrtp()
-    from k2trt.runtime.trt import environment
-
-    monkeypatch.setattr(environment, "import_tensorrt_plugin", lambda: (None, fake))
-    monkeypatch.setattr(P, "_REGISTERED", set())
-    trt_module = argparse.Namespace(plugin=fake)
-    monkeypatch.setitem(sys.modules, "tensorrt", trt_module)
-    monkeypatch.setitem(sys.modules, "tensorrt.plugin", fake)
-
-    assert P.register_plugins() == {"Fp8BlockLinear": "jit+aot", "MoeFp8": "jit"}
-    assert set(fake.registered) == {("k2trt::Fp8BlockLinear", r) for r in ("register", "impl", "autotune", "aot_impl")} \
-        | {("k2trt::MoeFp8", r) for r in ("register", "impl", "autotune")}
-    for op, spec in P.plugin_specs().items():
-        desc = fake.registered[(spec.plugin_id, "register")]
-        params = inspect.signature(desc).parameters
-        assert all(params[n].annotation is fake.TensorDesc for n in spec.input_names)
-        assert all(params[a].annotation is int for a in spec.attribute_names)
-        assert inspect.signature(desc).return_annotation is fake.TensorDesc
-
-    bf16 = argparse.Namespace(name="BF16")
-    x = fake.TensorDesc(["B", "T", 256], bf16)
-    w = fake.TensorDesc([_Dim(512), _Dim(256)], argparse.Namespace(name="FP8"))
-    s = fake.TensorDesc([4, 2], argparse.Namespace(name="FLOAT"))
-    assert P.fp8_block_linear_desc(x, w, s, 1) == ("desc", ("B", "T", 512), bf16)
-    combos = P.fp8_block_linear_autotune(x, w, s, ())
-    assert ("BF16,FP8,FLOAT,BF16", "LINEAR,LINEAR,LINEAR,LINEAR", [1, 2, 3]) in combos
-
-    from k2trt.runtime.trt import aot_linear as A
-
-    monkeypatch.setattr(A, "compile_plan", lambda plan: (plan, "kern", ".ptx", plan.num_warps * 32, 1024))
-    x.shape_expr[:2] = [6, 5]  # B·T = 30 rows
-    name, ptx, params, extra = P.fp8_block_linear_aot_impl(x, w, s, 1, (), 1)
-    plan = A.plan_for("bfloat16", 512, 256, 1, 1)
-    assert (name, ptx, params.block_x, params.shared_mem) == ("kern", ".ptx", plan.num_warps * 32, 1024)
-    assert params.grid_x == plan.grid_x(30) and list(extra) == [("i32", 30)]
+    listed.__annotations__ = {"x": S.TensorDesc, "a": list, "return": S.TensorDesc}
+    with pytest.raises(ValueError, match="not a supported serializable type"):
+        trtp.register("toy::other")(listed)

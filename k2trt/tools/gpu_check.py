@@ -246,23 +246,21 @@ SMEM_LIMIT = 227 * 1024  # shared memory one CTA may use on an H100 / H200
 
 
 def kernel_variants(cfg: K2Config | None = None):
-    """(label, kernel, pointer dtypes, constexprs, num_warps, num_stages) for each variant the config tables
-    launch at K2's shapes with bf16 activations, in both activation_quant modes."""
-    import triton
+    """(label, kernel, pointer dtypes, constexprs, num_warps, num_stages) for each variant the JIT path launches at
+    K2's shapes with bf16 activations, in both activation_quant modes (every MoE tactic, every linear tile)."""
+    import torch as _torch
 
     from k2trt.runtime.kernels import fp8_linear as fl
     from k2trt.runtime.kernels import moe
     cfg = cfg or K2Config()
-    d = cfg.hidden_size
+    d, inter, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
+    bf16 = _torch.bfloat16
+    ints = {"sorted_ptr": "i32", "off_ptr": "i32"}
     out = [("act_quant", fl._act_quant_kernel, {"x_ptr": "bf16", "q_ptr": "fp8e4nv"},
             dict(BLOCK_ROWS=16, GROUP=BLOCK), 4, 1),
-           ("combine", moe._combine_kernel, {"o_ptr": "bf16", "y_ptr": "bf16"},
-            dict(TOP_K=cfg.num_experts_per_tok, BLOCK_D=1024, ACT=1), 4, 1)]
-    ints = {"ids_ptr": "i32", "sorted_ptr": "i32", "tile_e_ptr": "i32", "n_pad_ptr": "i32"}
-    for c in sorted({c.block_m for _, c in moe.MOE_CONFIGS}):
-        meta = moe.align_meta(cfg.n_routed_experts, 1000, c)
-        warps = meta.pop("num_warps")
-        out.append((f"align BM{c}", moe._align_kernel, ints, meta, warps, 1))
+           ("moe combine", moe._combine_kernel, {"o_ptr": "bf16", "w_ptr": "fp32", "y_ptr": "bf16"},
+            moe.combine_constexprs(d, cfg.num_experts_per_tok, bf16), 4, 1),
+           ("moe align", moe._align_kernel, {"ids_ptr": "i32", **ints}, moe.align_constexprs(e), moe.ALIGN_WARPS, 1)]
     for aq in (0, 1):
         a = "fp8e4nv" if aq else "bf16"
         common = dict(A_FP8=bool(aq), ACT=1, DOT16=True, EVEN_K=True)
@@ -273,14 +271,13 @@ def kernel_variants(cfg: K2Config | None = None):
                         {"a_ptr": a, "b_ptr": "fp8e4nv", "c_ptr": "bf16"},
                         dict(BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m, **common),
                         c.num_warps, c.num_stages))
-        for _, c in moe.MOE_CONFIGS:
-            idx = {"sorted_ptr": "i32", "tile_e_ptr": "i32", "n_pad_ptr": "i32"}
-            out.append((f"moe gate_up aq{aq} BM{c.block_m}", moe._gate_up_kernel,
-                        {"a_ptr": a, "gw_ptr": "fp8e4nv", "uw_ptr": "fp8e4nv", "h_ptr": a, **idx},
-                        dict(BM=c.block_m, BN=c.block_n_gate_up, BK=c.block_k, **common), c.num_warps, c.num_stages))
-            out.append((f"moe down aq{aq} BM{c.block_m}", moe._down_kernel,
-                        {"h_ptr": a, "w_ptr": "fp8e4nv", "out_ptr": "bf16", **idx},
-                        dict(BM=c.block_m, BN=c.block_n_down, BK=c.block_k, **common), c.num_warps, c.num_stages))
+        for tactic, t in moe.GEMM_TACTICS.items():
+            out.append((f"moe gate_up aq{aq} BM{t.block_m}", moe._gate_up_kernel,
+                        {"x_ptr": "bf16", **ints, "gw_ptr": "fp8e4nv", "uw_ptr": "fp8e4nv", "h_ptr": a},
+                        moe.gemm_constexprs(e, inter, d, t, aq, bf16), t.num_warps, t.num_stages))
+            out.append((f"moe down aq{aq} BM{t.block_m}", moe._down_kernel,
+                        {"h_ptr": a, **ints, "w_ptr": "fp8e4nv", "out_ptr": "bf16"},
+                        moe.gemm_constexprs(e, d, inter, t, aq, bf16), t.num_warps, t.num_stages))
     return out
 
 

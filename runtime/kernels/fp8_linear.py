@@ -236,6 +236,17 @@ def linear_config(m: int, n: int, k: int) -> LinearConfig:
     return LinearConfig(128, 128, num_warps=8, num_stages=3)
 
 
+# TensorRT tactic id -> the row count whose tile config a tactic runs (the JIT and the AOT plugin alike); TensorRT
+# times each per profile and keeps the fastest (decode: narrow N tiles, prefill: 128x128).
+LINEAR_TACTIC_ROWS = {1: 1, 2: 64, 3: 4096}
+
+
+def tactic_config(tactic: int, n: int, k: int) -> LinearConfig:
+    if tactic not in LINEAR_TACTIC_ROWS:
+        raise ValueError(f"Fp8BlockLinear: unknown tactic {tactic}; expected one of {sorted(LINEAR_TACTIC_ROWS)}")
+    return linear_config(LINEAR_TACTIC_ROWS[tactic], n, k)
+
+
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                      activation_quant: int = PER_TOKEN_GROUP, out: torch.Tensor | None = None,
                      config: LinearConfig | None = None) -> torch.Tensor:

@@ -1,22 +1,27 @@
-"""Triton MoE for FP8 block-scaled experts: the MoeFp8 node contract (graphs/contracts.py), computed as
-graphs/moe_ref.moe_fp8_reference defines it, the way vLLM / SGLang / DeepGEMM organise it:
+"""Triton MoE for FP8 block-scaled experts: the four stages of MoeFp8 (graphs/contracts.MOE_STAGES), one kernel
+each, computed as graphs/moe_ref defines them:
 
-  1. moe_align: sort the (token, expert) pairs by expert and pad every expert's run to a multiple of block_m,
-     so each M tile of the grouped GEMMs belongs to one expert;
-  2. x is quantized once per token (W8A8), then one grouped GEMM computes gate and up tiles for the same rows
-     (two accumulators) with the epilogue SiLU(gate)·up and 1×128 re-quantization to fp8 (W8A8) — h is written
-     in the padded-sorted row order;
-  3. a grouped down GEMM writes one output row per pair, in x's dtype (as the reference's per-pair outputs);
-  4. a combine kernel sums y[t] = Σ_k w[t,k]·out[t·k_top + k] in fp32 and casts to x's dtype.
+  1. _align_kernel: sort the (token, expert) pairs by expert (stable) -> sorted_pairs [n], expert_offsets [E+1];
+  2. _gate_up_kernel: one grouped GEMM computes gate and up tiles for the same sorted rows (two accumulators); under
+     W8A8 it quantizes each 1×128 group of x in registers (same bits as quantizing x first), and its epilogue
+     computes SiLU(gate)·up and re-quantizes it to fp8 -> h [n, I], h_scale [n, I/128];
+  3. _down_kernel: grouped down GEMM, one output row per pair -> pair_out [n, d] in the activation dtype;
+  4. _combine_kernel: y[t] = Σ_k w[t,k]·pair_out[t·k_top + k] in fp32, cast to the activation dtype.
 
-Nothing here syncs with the host: buffer sizes and grids are bounded from shapes alone (tiles past the padded
-total exit at once), so the entry point can be captured in a CUDA graph or called from a TensorRT plugin.
+The grouped GEMMs find their expert from expert_offsets themselves: tile t of a kernel belongs to the expert whose
+run of ceil(count/BM) tiles contains it. So the layout does not depend on the tile height, and each GEMM picks
+its own BM (a TensorRT tactic each) — the grid is bounded from shapes alone: Σ_e ceil(c_e/BM) ≤
+(n + min(n, E)·(BM−1)) / BM, tiles past the total exit at once.
+
+Kernel parameters are in TensorRT's AOT launch order — the node's inputs, the extra int32 scalars, the outputs —
+with every static size a constexpr, so the same kernels run from torch (the JIT entry points below) and as AOT
+plugins (runtime/trt/aot_moe.py). Nothing syncs with the host. Indices read from data are clamped into range:
+TensorRT times plugins on uninitialized inputs, and a stray index must not fault.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import triton
@@ -24,150 +29,82 @@ import triton.language as tl
 
 from k2trt.graphs.fp8 import BLOCK, PER_TOKEN_GROUP, cdiv
 from k2trt.runtime.kernels.fp8_linear import (_quant_group, _round_act, _scaled_dot, _to_act, act_code,
-                                               check_activation_quant, dot16, quantize_activation)
-
-
-# ---------------------------------------------------------------------------------------------- alignment
-
-class MoeAlignment(NamedTuple):
-    sorted_ids: torch.Tensor  # int32 [capacity]: pair id (token·top_k + slot) per padded row; num_pairs = padding
-    tile_experts: torch.Tensor  # int32 [capacity / block_m]: expert of each M tile, -1 past the padded total
-    num_padded: torch.Tensor  # int32 [1]: rows actually used (Σ_e roundup(count_e, block_m)), on the device
-    block_m: int
-
-    @property
-    def capacity(self) -> int:
-        return self.sorted_ids.numel()
-
-
-def align_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Upper bound of Σ_e roundup(count_e, block_m): only experts with pairs are padded, at most
-    min(num_pairs, E) of them, each by < block_m. Rounded up to whole tiles."""
-    bound = num_pairs + min(num_pairs, num_experts) * (block_m - 1)
-    return cdiv(bound, block_m) * block_m
-
-
-ALIGN_TRITON_MAX_PAIRS = 4096  # one-program Triton alignment up to here (decode), torch ops above (prefill)
-
-
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, method: str = "auto") -> MoeAlignment:
-    """Sort the flattened (token, expert) pairs by expert (stable: by token within an expert) and pad each
-    expert's run to a multiple of block_m with the sentinel num_pairs. Experts with no pairs get no rows and no
-    tiles. method "triton" is one kernel launch (what decode wants: the torch path is ~25 small launches),
-    "torch" scales to any size; "auto" picks by size. Both give identical results and never sync the host."""
-    flat = topk_ids.reshape(-1)
-    n = flat.numel()
-    cap = align_capacity(n, num_experts, block_m)
-    if method == "auto":
-        method = "triton" if n <= ALIGN_TRITON_MAX_PAIRS else "torch"
-    if method == "torch":
-        return _align_torch(flat.to(torch.int64), num_experts, block_m, cap)
-    if method != "triton":
-        raise ValueError(f"method must be auto, triton or torch, got {method!r}")
-    dev = flat.device
-    sorted_ids = torch.empty(cap, dtype=torch.int32, device=dev)
-    tile_experts = torch.empty(cap // block_m, dtype=torch.int32, device=dev)
-    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
-    _align_kernel[(1,)](flat.contiguous(), sorted_ids, tile_experts, num_padded, n, num_experts, cap,
-                        cap // block_m, **align_meta(num_experts, cap // block_m, block_m))
-    return MoeAlignment(sorted_ids, tile_experts, num_padded, block_m)
-
-
-def align_meta(num_experts: int, num_tiles: int, block_m: int) -> dict:
-    """Launch constants of _align_kernel. tl.histogram's GPU lowering counts every copy of an input element that
-    the layout replicates across warps, so each histogram input (CH pairs, BLOCK_E run ends) must have at least
-    one element per thread: CH = 32 · warps, BLOCK_E >= CH. Histogram inputs must lie in [0, bins)."""
-    warps = 2
-    ch = 32 * warps
-    return dict(BM=block_m, BLOCK_E=max(ch, triton.next_power_of_2(num_experts)),
-                BLOCK_T=max(ch, triton.next_power_of_2(num_tiles + 1)), CH=ch, num_warps=warps)
-
-
-def _align_torch(flat: torch.Tensor, num_experts: int, block_m: int, cap: int) -> MoeAlignment:
-    n = flat.numel()
-    dev = flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = padded.cumsum(0)
-    order = torch.argsort(flat, stable=True)
-    e_sorted = flat[order]
-    rank = torch.arange(n, device=dev) - (counts.cumsum(0) - counts)[e_sorted]  # position within its expert
-    pos = (ends - padded)[e_sorted] + rank
-    sorted_ids = torch.full((cap,), n, dtype=torch.int32, device=dev)
-    sorted_ids[pos] = order.to(torch.int32)
-    tile_start = torch.arange(0, cap, block_m, device=dev)
-    tile_experts = torch.searchsorted(ends, tile_start, right=True)
-    tile_experts = torch.where(tile_start < ends[-1], tile_experts, -1).to(torch.int32)
-    return MoeAlignment(sorted_ids, tile_experts, ends[-1:].to(torch.int32), block_m)
-
-
-@triton.jit
-def _align_kernel(ids_ptr, sorted_ptr, tile_e_ptr, n_pad_ptr, n, E, cap, num_tiles,
-                  BM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, CH: tl.constexpr):
-    """One program: count pairs per expert, padded run offsets by cumsum, tile experts, then place each pair at
-    its expert's next free row, in token order (rank within a chunk from an equality triangle)."""
-    lane = tl.arange(0, CH)
-    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    for c0 in range(0, n, CH):
-        m = c0 + lane < n
-        e = tl.load(ids_ptr + c0 + lane, mask=m, other=0).to(tl.int32)
-        counts += tl.histogram(e, BLOCK_E, mask=m)
-    padded = (counts + BM - 1) // BM * BM
-    ends = tl.cumsum(padded, 0)
-    tl.store(n_pad_ptr, tl.sum(padded))
-    # tile t belongs to the number of experts whose run ends at or before it (empty runs included); past the
-    # padded total that count is BLOCK_E >= E, i.e. no work
-    marks = tl.histogram(tl.minimum(ends // BM, BLOCK_T - 1), BLOCK_T)
-    te = tl.cumsum(marks, 0)
-    t = tl.arange(0, BLOCK_T)
-    tl.store(tile_e_ptr + t, tl.where(te < E, te, -1), mask=t < num_tiles)
-    for r0 in range(0, cap, CH):
-        tl.store(sorted_ptr + r0 + lane, n, mask=r0 + lane < cap)
-    tl.debug_barrier()  # the sentinel fill above is visible before pairs overwrite their rows
-    nxt = ends - padded  # next free row of each expert
-    earlier = lane[None, :] < lane[:, None]
-    for c0 in range(0, n, CH):
-        m = c0 + lane < n
-        e = tl.load(ids_ptr + c0 + lane, mask=m, other=0).to(tl.int32)
-        rank = tl.sum(((e[:, None] == e[None, :]) & earlier & m[None, :]).to(tl.int32), axis=1)
-        row = tl.gather(nxt, e, 0) + rank
-        tl.store(sorted_ptr + row, c0 + lane, mask=m)
-        nxt += tl.histogram(e, BLOCK_E, mask=m)
+                                               check_activation_quant, dot16)
 
 
 # ---------------------------------------------------------------------------------------------- kernels
 
 @triton.jit
-def _gate_up_kernel(a_ptr, as_ptr, gw_ptr, gs_ptr, uw_ptr, us_ptr, h_ptr, hs_ptr,
-                    sorted_ptr, tile_e_ptr, n_pad_ptr, num_pairs, N, K, TOP_K,
-                    stride_am, stride_asm, stride_we, stride_wn, stride_se, stride_sn, stride_hm, stride_hsm,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    A_FP8: tl.constexpr, ACT: tl.constexpr, DOT16: tl.constexpr, EVEN_K: tl.constexpr):
+def _align_kernel(ids_ptr, n, sorted_ptr, off_ptr,
+                  E: tl.constexpr, BLOCK_E: tl.constexpr, CH: tl.constexpr):
+    """One program: count pairs per expert, exclusive offsets by cumsum, then place each pair at its expert's next
+    free row, in pair order (rank within a chunk from an equality triangle)."""
+    lane = tl.arange(0, CH)
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for c0 in range(0, n, CH):
+        m = c0 + lane < n
+        e = tl.minimum(tl.maximum(tl.load(ids_ptr + c0 + lane, mask=m, other=0), 0), E - 1)
+        counts += tl.histogram(e, BLOCK_E, mask=m)
+    starts = tl.cumsum(counts, 0) - counts  # bins >= E are empty: starts[E] = n
+    idx = tl.arange(0, BLOCK_E)
+    tl.store(off_ptr + idx, starts, mask=idx <= E)
+    nxt = starts
+    earlier = lane[None, :] < lane[:, None]
+    for c0 in range(0, n, CH):
+        m = c0 + lane < n
+        e = tl.minimum(tl.maximum(tl.load(ids_ptr + c0 + lane, mask=m, other=0), 0), E - 1)
+        rank = tl.sum(((e[:, None] == e[None, :]) & earlier & m[None, :]).to(tl.int32), axis=1)
+        tl.store(sorted_ptr + tl.gather(nxt, e, 0) + rank, c0 + lane, mask=m)
+        nxt += tl.histogram(e, BLOCK_E, mask=m)
+
+
+@triton.jit
+def _expert_tile(off_ptr, pid_m, n, E: tl.constexpr, BM: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The expert of row tile pid_m and the tile's sorted rows [start, stop). e >= E: past the last tile."""
+    idx = tl.arange(0, BLOCK_E)
+    lo = tl.minimum(tl.maximum(tl.load(off_ptr + idx, mask=idx < E, other=0), 0), n)
+    hi = tl.minimum(tl.maximum(tl.load(off_ptr + idx + 1, mask=idx < E, other=0), lo), n)
+    tiles = (hi - lo + BM - 1) // BM
+    ends = tl.cumsum(tiles, 0)
+    e = tl.sum((ends <= pid_m).to(tl.int32))
+    mine = idx == e
+    start = tl.sum(tl.where(mine, lo, 0)) + (pid_m - tl.sum(tl.where(mine, ends - tiles, 0))) * BM
+    stop = tl.sum(tl.where(mine, hi, 0))
+    return e, start, stop
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, sorted_ptr, off_ptr, gw_ptr, gs_ptr, uw_ptr, us_ptr, M, n, h_ptr, hs_ptr,
+                    E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr, BLOCK_E: tl.constexpr, A_FP8: tl.constexpr, ACT: tl.constexpr,
+                    DOT16: tl.constexpr):
     # N fastest: the row tile's activations stay hot while the expert's gate/up weight tiles stream past
+    KB: tl.constexpr = (K + 127) // 128
+    NB: tl.constexpr = (N + 127) // 128
     pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BN)
+    num_n: tl.constexpr = (N + BN - 1) // BN
     pid_m = pid // num_n
     pid_n = pid % num_n
-    if pid_m * BM >= tl.load(n_pad_ptr):
+    e, start, stop = _expert_tile(off_ptr, pid_m, n, E, BM, BLOCK_E)
+    if e >= E:
         return
-    e = tl.load(tile_e_ptr + pid_m).to(tl.int64)
-    rows = pid_m * BM + tl.arange(0, BM)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
-    tok = (pair // TOP_K).to(tl.int64)
+    rows = start + tl.arange(0, BM)
+    valid = rows < stop
+    top_k = tl.maximum(n // tl.maximum(M, 1), 1)
+    pair = tl.minimum(tl.maximum(tl.load(sorted_ptr + rows, mask=valid, other=0), 0), n - 1)
+    tok = (pair // top_k).to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
     n_mask = offs_n < N
-    a_ptrs = a_ptr + tok[:, None] * stride_am + offs_k[None, :]
-    as_ptrs = as_ptr + tok * stride_asm
-    w_off = e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    a_ptrs = x_ptr + tok[:, None] * K + offs_k[None, :]
+    w_off = e.to(tl.int64) * N * K + offs_n[None, :].to(tl.int64) * K + offs_k[:, None]
     g_ptrs = gw_ptr + w_off
     u_ptrs = uw_ptr + w_off
-    s_off = e * stride_se + (offs_n // 128) * stride_sn
+    s_off = e * NB * KB + (offs_n // 128) * KB
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        if EVEN_K:
+        if K % BK == 0:
             a_mask = valid[:, None]
             b_mask = n_mask[None, :]
         else:
@@ -181,7 +118,8 @@ def _gate_up_kernel(a_ptr, as_ptr, gw_ptr, gs_ptr, uw_ptr, us_ptr, h_ptr, hs_ptr
         su = tl.load(us_ptr + s_off + k0 // 128, mask=n_mask, other=0.0)
         a_s = sg  # unused unless A_FP8
         if A_FP8:
-            a_s = tl.load(as_ptrs + k0 // 128, mask=valid, other=0.0)
+            q, a_s = _quant_group(a.to(tl.float32))  # one 1x128 group per row: BK == 128
+            a = q.to(tl.float8e4nv)
         acc_g = _scaled_dot(a, a_s, bg, sg, acc_g, A_FP8, ACT, DOT16)
         acc_u = _scaled_dot(a, a_s, bu, su, acc_u, A_FP8, ACT, DOT16)
         a_ptrs += BK
@@ -192,103 +130,142 @@ def _gate_up_kernel(a_ptr, as_ptr, gw_ptr, gs_ptr, uw_ptr, us_ptr, h_ptr, hs_ptr
     u = _round_act(acc_u, ACT)
     h = _round_act(_round_act(tl.math.div_rn(g, 1.0 + tl.exp(-g)), ACT) * u, ACT)
     rows64 = rows.to(tl.int64)
-    h_ptrs = h_ptr + rows64[:, None] * stride_hm + offs_n[None, :]
+    h_ptrs = h_ptr + rows64[:, None] * N + offs_n[None, :]
     if A_FP8:
         q, s = _quant_group(h)  # BN == 128: this tile is exactly one 1×128 group per row
-        tl.store(h_ptrs, q.to(tl.float8e4nv))
-        tl.store(hs_ptr + rows64 * stride_hsm + pid_n, s)
+        tl.store(h_ptrs, q.to(tl.float8e4nv), mask=valid[:, None])
+        tl.store(hs_ptr + rows64 * NB + pid_n, s, mask=valid)
     else:
-        tl.store(h_ptrs, _to_act(h, ACT), mask=n_mask[None, :])
+        tl.store(h_ptrs, _to_act(h, ACT), mask=valid[:, None] & n_mask[None, :])
+        tl.store(hs_ptr + rows64 * NB + pid_n, tl.full((BM,), 1.0, tl.float32), mask=valid)  # BN == 128
 
 
 @triton.jit
-def _down_kernel(h_ptr, hs_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, tile_e_ptr, n_pad_ptr, num_pairs, N, K,
-                 stride_hm, stride_hsm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 A_FP8: tl.constexpr, ACT: tl.constexpr, DOT16: tl.constexpr, EVEN_K: tl.constexpr):
+def _down_kernel(h_ptr, hs_ptr, sorted_ptr, off_ptr, w_ptr, s_ptr, n, out_ptr,
+                 E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, BLOCK_E: tl.constexpr, A_FP8: tl.constexpr, ACT: tl.constexpr,
+                 DOT16: tl.constexpr):
+    KB: tl.constexpr = (K + 127) // 128
+    NB: tl.constexpr = (N + 127) // 128
     pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BN)
+    num_n: tl.constexpr = (N + BN - 1) // BN
     pid_m = pid // num_n
     pid_n = pid % num_n
-    if pid_m * BM >= tl.load(n_pad_ptr):
+    e, start, stop = _expert_tile(off_ptr, pid_m, n, E, BM, BLOCK_E)
+    if e >= E:
         return
-    e = tl.load(tile_e_ptr + pid_m).to(tl.int64)
-    rows = pid_m * BM + tl.arange(0, BM)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
+    rows = start + tl.arange(0, BM)
+    valid = rows < stop
     rows64 = rows.to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
     n_mask = offs_n < N
-    # h rows are the padded-sorted rows the gate-up kernel wrote (padding rows hold zeros): no gather, no row mask
-    a_ptrs = h_ptr + rows64[:, None] * stride_hm + offs_k[None, :]
-    as_ptrs = hs_ptr + rows64 * stride_hsm
-    b_ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-    s_ptrs = s_ptr + e * stride_se + (offs_n // 128) * stride_sn
+    a_ptrs = h_ptr + rows64[:, None] * K + offs_k[None, :]  # h rows are the sorted rows MoeGateUp wrote
+    as_ptrs = hs_ptr + rows64 * KB
+    b_ptrs = w_ptr + e.to(tl.int64) * N * K + offs_n[None, :].to(tl.int64) * K + offs_k[:, None]
+    s_ptrs = s_ptr + e * NB * KB + (offs_n // 128) * KB
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
+        if K % BK == 0:
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
         else:
             k_ok = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=n_mask[None, :] & k_ok[:, None], other=0.0)
         b_s = tl.load(s_ptrs + k0 // 128, mask=n_mask, other=0.0)
         a_s = b_s  # unused unless A_FP8
         if A_FP8:
-            a_s = tl.load(as_ptrs + k0 // 128)
+            a_s = tl.load(as_ptrs + k0 // 128, mask=valid, other=0.0)
         acc = _scaled_dot(a, a_s, b, b_s, acc, A_FP8, ACT, DOT16)
         a_ptrs += BK
         b_ptrs += BK
-    o_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(o_ptrs, _to_act(acc, ACT), mask=valid[:, None] & n_mask[None, :])
+    pair = tl.minimum(tl.maximum(tl.load(sorted_ptr + rows, mask=valid, other=0), 0), n - 1).to(tl.int64)
+    tl.store(out_ptr + pair[:, None] * N + offs_n[None, :], _to_act(acc, ACT), mask=valid[:, None] & n_mask[None, :])
 
 
 @triton.jit
-def _combine_kernel(o_ptr, w_ptr, y_ptr, D, stride_om, stride_ym,
-                    TOP_K: tl.constexpr, BLOCK_D: tl.constexpr, ACT: tl.constexpr):
+def _combine_kernel(o_ptr, w_ptr, y_ptr, D: tl.constexpr, TOP_K: tl.constexpr, BLOCK_D: tl.constexpr,
+                    ACT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = offs < D
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         w = tl.load(w_ptr + t * TOP_K + j)
-        v = tl.load(o_ptr + (t * TOP_K + j) * stride_om + offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(o_ptr + (t * TOP_K + j) * D + offs, mask=mask, other=0.0).to(tl.float32)
         acc += v * w
-    tl.store(y_ptr + t * stride_ym + offs, _to_act(acc, ACT), mask=mask)
+    tl.store(y_ptr + t * D + offs, _to_act(acc, ACT), mask=mask)
 
 
-# ---------------------------------------------------------------------------------------------- entry point
+# ---------------------------------------------------------------------------------------------- launch rules
+# Shared by the torch entry points below and the AOT plans (runtime/trt/aot_moe.py): grids work on ints and on
+# TensorRT shape expressions (only + - * // and the `minimum` given).
 
 @dataclass(frozen=True)
-class MoeConfig:
+class GemmTiles:
+    """Tiles of a grouped GEMM (gate+up or down): one TensorRT tactic each."""
     block_m: int
-    block_n_gate_up: int = 128  # must be 128 in W8A8: one tile = one re-quantization group
-    block_n_down: int = 128
-    block_k: int = 128
+    block_n: int = 128  # gate+up: must be 128, one re-quantization group per tile
     num_warps: int = 4
     num_stages: int = 3
-    block_d_combine: int = 1024
+
+    block_k = BLOCK  # one weight scale per K step; one activation group under W8A8
 
 
-# (max average pairs per expert, config): decode has ~1 pair per touched expert, so a 16-row tile wastes
-# little; prefill fills 64-row tiles. 32- and 64-row tiles take 8 warps: the two gate/up accumulators spill
-# with 4 (ptxas, sm_90). Stages: 3 keeps the 16-row gate/up kernel at 70 KB of shared memory (3 CTAs per SM).
-MOE_CONFIGS: tuple[tuple[float, MoeConfig], ...] = (
-    (4.0, MoeConfig(block_m=16, num_stages=3)),
-    (24.0, MoeConfig(block_m=32, num_warps=8, num_stages=4)),
-    (float("inf"), MoeConfig(block_m=64, num_warps=8, num_stages=3)),
-)
+# tactic id -> tiles. Decode has ~1 pair per touched expert, so a 16-row tile wastes little; prefill fills 64-row
+# tiles. 32- and 64-row tiles take 8 warps: the two gate/up accumulators spill with 4 (ptxas, sm_90).
+GEMM_TACTICS: dict[int, GemmTiles] = {
+    1: GemmTiles(block_m=16, num_stages=3),
+    2: GemmTiles(block_m=32, num_warps=8, num_stages=4),
+    3: GemmTiles(block_m=64, num_warps=8, num_stages=3),
+}
+# (max average pairs per expert, tactic) for the torch entry point, which picks without timing
+_TACTIC_BY_LOAD = ((4.0, 1), (24.0, 2), (float("inf"), 3))
+ALIGN_WARPS = 2
+COMBINE_BLOCK_D = 1024
 
 
-def moe_config(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
-    avg = num_tokens * top_k / max(1, num_experts)
-    for limit, cfg in MOE_CONFIGS:
-        if avg <= limit:
-            return cfg
-    return MOE_CONFIGS[-1][1]
+def default_tactic(num_pairs: int, num_experts: int) -> int:
+    avg = num_pairs / max(1, num_experts)
+    return next(t for limit, t in _TACTIC_BY_LOAD if avg <= limit)
 
+
+def gemm_tiles_bound(num_pairs, num_experts: int, block_m: int, minimum=min):
+    """Row tiles a grouped GEMM launches: ≥ Σ_e ceil(count_e / block_m) for any routing."""
+    return (num_pairs + minimum(num_pairs, num_experts) * (block_m - 1) + block_m - 1) // block_m
+
+
+def gemm_grid(num_pairs, num_experts: int, out_cols: int, tiles: GemmTiles, minimum=min):
+    return gemm_tiles_bound(num_pairs, num_experts, tiles.block_m, minimum) * cdiv(out_cols, tiles.block_n)
+
+
+def align_constexprs(num_experts: int) -> dict:
+    """tl.histogram's GPU lowering counts every copy of an input element that the layout replicates across warps,
+    so each histogram input must have at least one element per thread: CH = 32 · warps, BLOCK_E >= CH. BLOCK_E
+    also holds the E + 1 offsets; histogram inputs lie in [0, E)."""
+    ch = 32 * ALIGN_WARPS
+    return dict(E=num_experts, BLOCK_E=max(ch, triton.next_power_of_2(num_experts + 1)), CH=ch)
+
+
+def gemm_constexprs(num_experts: int, out_cols: int, in_cols: int, tiles: GemmTiles, activation_quant: int,
+                    dtype: torch.dtype) -> dict:
+    """dtype: the activation dtype (x's for gate+up, pair_out's for down)."""
+    return dict(E=num_experts, N=out_cols, K=in_cols, BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k,
+                BLOCK_E=triton.next_power_of_2(num_experts + 1), A_FP8=activation_quant == PER_TOKEN_GROUP,
+                ACT=act_code(dtype), DOT16=dot16(dtype))
+
+
+def combine_constexprs(d: int, top_k: int, dtype: torch.dtype) -> dict:
+    return dict(D=d, TOP_K=top_k, BLOCK_D=COMBINE_BLOCK_D, ACT=act_code(dtype))
+
+
+def check_gemm(tiles: GemmTiles, gate_up: bool) -> None:
+    if gate_up and tiles.block_n != BLOCK:
+        raise ValueError("the gate+up GEMM needs block_n == 128 (one scale group of h per tile)")
+
+
+# ---------------------------------------------------------------------------------------------- entry points
 
 def _check_weights(gate_w, up_w, down_w, d: int) -> tuple[int, int]:
     num_experts, inter, dg = gate_w.shape
@@ -301,95 +278,90 @@ def _check_weights(gate_w, up_w, down_w, d: int) -> tuple[int, int]:
     return num_experts, inter
 
 
-def _launch_opts(cfg: MoeConfig, w8a8: bool, dtype: torch.dtype) -> dict:
-    return dict(BM=cfg.block_m, BK=cfg.block_k, A_FP8=w8a8, ACT=act_code(dtype), DOT16=dot16(dtype),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+def _out(out, shape, dtype, device):
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {dtype} tensor of shape {tuple(shape)}")
+    return out
 
 
-def moe_gate_up(x2, al: MoeAlignment, top_k: int, gate_w, gate_s, up_w, up_s, activation_quant: int,
-                cfg: MoeConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Stage 2: x2 [M, d] -> h [capacity, I] in padded-sorted row order: fp8 with scales [capacity, I/128] (W8A8)
-    or x's dtype with None. Rows at or past al.num_padded are not written."""
-    w8a8 = activation_quant == PER_TOKEN_GROUP
+def moe_align(topk_ids: torch.Tensor, num_experts: int, sorted_pairs=None, expert_offsets=None):
+    """Stage 1: topk_ids [.., k] int32 -> (sorted_pairs int32 [n], expert_offsets int32 [E + 1])."""
+    flat = topk_ids.reshape(-1).to(torch.int32).contiguous()
+    n = flat.numel()
+    sorted_pairs = _out(sorted_pairs, (n,), torch.int32, flat.device)
+    expert_offsets = _out(expert_offsets, (num_experts + 1,), torch.int32, flat.device)
+    _align_kernel[(1,)](flat, n, sorted_pairs, expert_offsets, **align_constexprs(num_experts),
+                        num_warps=ALIGN_WARPS)
+    return sorted_pairs, expert_offsets
+
+
+def moe_gate_up(x2, sorted_pairs, expert_offsets, gate_w, gate_s, up_w, up_s, activation_quant: int,
+                tactic: int | None = None, h=None, h_scale=None):
+    """Stage 2: x2 [M, d] -> (h [n, I] fp8 (W8A8) or x's dtype, h_scale float32 [n, ceil(I/128)])."""
+    check_activation_quant(activation_quant)
     m, d = x2.shape
-    inter = gate_w.shape[1]
-    cap = al.capacity
-    if w8a8:
-        a, a_s = quantize_activation(x2)  # once per token, not per pair
-        h = torch.empty(cap, inter, dtype=torch.float8_e4m3fn, device=x2.device)
-        hs = torch.empty(cap, inter // BLOCK, dtype=torch.float32, device=x2.device)
-    else:
-        a = x2 if x2.stride(1) == 1 else x2.contiguous()
-        h = torch.empty(cap, inter, dtype=x2.dtype, device=x2.device)
-        a_s = hs = gate_s  # placeholders, never read
-    _gate_up_kernel[(cap // cfg.block_m * cdiv(inter, cfg.block_n_gate_up),)](
-        a, a_s, gate_w, gate_s, up_w, up_s, h, hs, al.sorted_ids, al.tile_experts, al.num_padded,
-        m * top_k, inter, d, top_k,
-        a.stride(0), a_s.stride(0), gate_w.stride(0), gate_w.stride(1), gate_s.stride(0), gate_s.stride(1),
-        h.stride(0), hs.stride(0),
-        BN=cfg.block_n_gate_up, EVEN_K=d % cfg.block_k == 0, **_launch_opts(cfg, w8a8, x2.dtype))
-    return h, (hs if w8a8 else None)
+    num_experts, inter, _ = gate_w.shape
+    n = sorted_pairs.numel()
+    tiles = GEMM_TACTICS[tactic or default_tactic(n, num_experts)]
+    check_gemm(tiles, gate_up=True)
+    w8a8 = activation_quant == PER_TOKEN_GROUP
+    h = _out(h, (n, inter), torch.float8_e4m3fn if w8a8 else x2.dtype, x2.device)
+    h_scale = _out(h_scale, (n, cdiv(inter, BLOCK)), torch.float32, x2.device)
+    if n:
+        _gate_up_kernel[(gemm_grid(n, num_experts, inter, tiles),)](
+            x2.contiguous(), sorted_pairs, expert_offsets, gate_w.contiguous(), gate_s.float().contiguous(),
+            up_w.contiguous(), up_s.float().contiguous(), m, n, h, h_scale,
+            **gemm_constexprs(num_experts, inter, d, tiles, activation_quant, x2.dtype),
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return h, h_scale
 
 
-def moe_down(h, hs, al: MoeAlignment, num_pairs: int, down_w, down_s, dtype: torch.dtype,
-             cfg: MoeConfig) -> torch.Tensor:
-    """Stage 3: h (from moe_gate_up) -> one output row per pair [num_pairs, d] in `dtype` (x's dtype)."""
-    w8a8 = hs is not None
-    d, inter = down_w.shape[1:]
-    pair_out = torch.empty(num_pairs, d, dtype=dtype, device=h.device)
-    if not w8a8:
-        hs = down_s  # placeholder, never read
-    _down_kernel[(al.capacity // cfg.block_m * cdiv(d, cfg.block_n_down),)](
-        h, hs, down_w, down_s, pair_out, al.sorted_ids, al.tile_experts, al.num_padded, num_pairs, d, inter,
-        h.stride(0), hs.stride(0), down_w.stride(0), down_w.stride(1), down_s.stride(0), down_s.stride(1),
-        pair_out.stride(0),
-        BN=cfg.block_n_down, EVEN_K=inter % cfg.block_k == 0, **_launch_opts(cfg, w8a8, dtype))
-    return pair_out
+def moe_down(h, h_scale, sorted_pairs, expert_offsets, down_w, down_s, activation_quant: int, dtype: torch.dtype,
+             tactic: int | None = None, out=None):
+    """Stage 3: h, h_scale (from moe_gate_up) -> pair_out [n, d] in `dtype` (the activation dtype), pair order."""
+    check_activation_quant(activation_quant)
+    num_experts, d, inter = down_w.shape
+    n = sorted_pairs.numel()
+    tiles = GEMM_TACTICS[tactic or default_tactic(n, num_experts)]
+    out = _out(out, (n, d), dtype, h.device)
+    if n:
+        _down_kernel[(gemm_grid(n, num_experts, d, tiles),)](
+            h, h_scale, sorted_pairs, expert_offsets, down_w.contiguous(), down_s.float().contiguous(), n, out,
+            **gemm_constexprs(num_experts, d, inter, tiles, activation_quant, dtype),
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return out
 
 
-def moe_combine(pair_out, weights, out2, block_d: int = 1024) -> torch.Tensor:
-    """Stage 4: out2[t] = Σ_k weights[t, k] · pair_out[t·k_top + k], fp32 sum, stored in out2's dtype."""
-    m, top_k = weights.shape
-    d = pair_out.shape[1]
-    _combine_kernel[(m, cdiv(d, block_d))](
-        pair_out, weights, out2, d, pair_out.stride(0), out2.stride(0),
-        TOP_K=top_k, BLOCK_D=block_d, ACT=act_code(out2.dtype))
-    return out2
+def moe_combine(pair_out, topk_weights, out=None):
+    """Stage 4: y [M, d] = Σ_k w[t, k] · pair_out[t·k_top + k], fp32 sum, in pair_out's dtype."""
+    top_k = topk_weights.shape[-1]
+    w = topk_weights.reshape(-1, top_k).float().contiguous()
+    m, d = w.shape[0], pair_out.shape[1]
+    out = _out(out, (m, d), pair_out.dtype, pair_out.device)
+    if m:
+        _combine_kernel[(m, cdiv(d, COMBINE_BLOCK_D))](pair_out, w, out, **combine_constexprs(d, top_k, out.dtype))
+    return out
 
 
 def moe_fp8(x, topk_ids, topk_weights, gate_w, gate_s, up_w, up_s, down_w, down_s,
             activation_quant: int = PER_TOKEN_GROUP, out: torch.Tensor | None = None,
-            config: MoeConfig | None = None) -> torch.Tensor:
-    """x [..., d] fp32/bf16/fp16; topk_ids int [..., k]; topk_weights fp32 [..., k]; gate/up fp8 [E, I, d],
-    down fp8 [E, d, I] with fp32 128×128 block scales -> y [..., d] in x's dtype (into `out` when given)."""
+            tactic: int | None = None) -> torch.Tensor:
+    """The MoeFp8 contract: x [..., d] fp32/bf16/fp16; topk_ids int [..., k]; topk_weights fp32 [..., k];
+    gate/up fp8 [E, I, d], down fp8 [E, d, I] with fp32 128×128 block scales -> y [..., d] in x's dtype."""
     check_activation_quant(activation_quant)
-    w8a8 = activation_quant == PER_TOKEN_GROUP
     d = x.shape[-1]
     num_experts, inter = _check_weights(gate_w, up_w, down_w, d)
-    if w8a8 and (d % BLOCK or inter % BLOCK):
+    if activation_quant == PER_TOKEN_GROUP and (d % BLOCK or inter % BLOCK):
         raise ValueError(f"W8A8 MoE needs d and I multiples of {BLOCK}, got d={d}, I={inter}")
     act_code(x.dtype)
     x2 = x.reshape(-1, d)
-    m = x2.shape[0]
-    ids = topk_ids.reshape(m, -1)
-    top_k = ids.shape[1]
-    weights = topk_weights.reshape(m, top_k).to(torch.float32).contiguous()
-    if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    elif out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {tuple(x.shape)}")
-    if m == 0:
+    out = _out(out, tuple(x.shape), x.dtype, x.device)
+    if x2.shape[0] == 0:
         return out
-    cfg = config or moe_config(m, top_k, num_experts)
-    if w8a8 and cfg.block_n_gate_up != BLOCK:
-        raise ValueError("W8A8 needs block_n_gate_up == 128 (one re-quantization group per tile)")
-    if BLOCK % cfg.block_k:
-        raise ValueError("block_k must divide 128 (one weight scale per K step)")
-    gate_w, up_w, down_w = gate_w.contiguous(), up_w.contiguous(), down_w.contiguous()
-    gate_s, up_s, down_s = (s.to(torch.float32).contiguous() for s in (gate_s, up_s, down_s))
-
-    al = moe_align(ids, num_experts, cfg.block_m)
-    h, hs = moe_gate_up(x2, al, top_k, gate_w, gate_s, up_w, up_s, activation_quant, cfg)
-    pair_out = moe_down(h, hs, al, m * top_k, down_w, down_s, x.dtype, cfg)
-    moe_combine(pair_out, weights, out.view(m, d), cfg.block_d_combine)
+    sorted_pairs, offsets = moe_align(topk_ids, num_experts)
+    h, hs = moe_gate_up(x2, sorted_pairs, offsets, gate_w, gate_s, up_w, up_s, activation_quant, tactic)
+    pair_out = moe_down(h, hs, sorted_pairs, offsets, down_w, down_s, activation_quant, x.dtype, tactic)
+    moe_combine(pair_out, topk_weights.reshape(x2.shape[0], -1), out=out.view(x2.shape[0], d))
     return out

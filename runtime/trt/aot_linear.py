@@ -4,37 +4,29 @@ An AOT plugin is exactly one compiled kernel per (types, tactic), launched by Te
 (input pointers..., extra int32 scalars..., output pointers...). The runtime kernel in runtime/kernels/fp8_linear.py
 quantizes activations in a separate launch (W8A8), so here the GEMM quantizes each [BM, 128] activation tile itself
 with the same @triton.jit helpers — same bits as the two-launch path, at the price of re-quantizing a row tile once
-per N tile (negligible next to the tile's dot). The MoE contract needs sorting, several kernels and scratch buffers,
-so it has no AOT form (see docs/TENSORRT.md).
-
-Only this module imports Triton; the plan functions below are plain Python and tested without a GPU.
+per N tile (negligible next to the tile's dot). runtime/trt/aot.py compiles a plan to PTX.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+
+import torch
 
 import triton
 import triton.language as tl
 
 from k2trt.graphs.fp8 import BLOCK, PER_TOKEN_GROUP, WEIGHT_DEQUANT, cdiv
-from k2trt.runtime.kernels.fp8_linear import _grouped_tile, _quant_group, _scaled_dot, _to_act, linear_config
-from k2trt.runtime.trt.plugins import LINEAR_TACTIC_ROWS
+from k2trt.runtime.kernels.fp8_linear import _grouped_tile, _quant_group, _scaled_dot, _to_act, dot16, tactic_config
 
 # Kernel parameter order = TensorRT's AOT launch order: the contract's inputs, the extra scalars, the outputs.
 KERNEL_TENSOR_ARGS = ("x", "weight", "weight_scale_inv")
 KERNEL_SCALAR_ARGS = ("M",)
 KERNEL_OUTPUT_ARGS = ("y",)
 
-# Without cuFuncSetAttribute a kernel may use at most 48 KiB of shared memory, and TensorRT's AOT launch
-# documents no way to raise it: configs are shrunk until they fit.
-AOT_SHARED_LIMIT = 48 * 1024
-
 # activation dtype name -> (Triton pointer type, ACT code of the kernels module)
 ACT_TYPES = {"float32": ("fp32", 0), "bfloat16": ("bf16", 1), "float16": ("fp16", 2)}
 
-TACTIC_ROWS = LINEAR_TACTIC_ROWS  # tactic id -> the row count whose tile config the kernel is compiled with
 
 
 @triton.jit
@@ -92,20 +84,24 @@ class AotLinearPlan:
     num_warps: int
     num_stages: int
 
+    kernel = fp8_linear_aot_kernel
+
     @property
     def block_k(self) -> int:
         return BLOCK
 
-    def signature(self) -> dict[str, str]:
+    @property
+    def label(self) -> str:
+        return f"linear_{self.n}x{self.k}"
+
+    def pointer_types(self) -> dict[str, str]:
         ptr = ACT_TYPES[self.act][0]
-        sig = {"x_ptr": f"*{ptr}", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "M": "i32", "y_ptr": f"*{ptr}"}
-        sig.update({c: "constexpr" for c in self.constexprs()})
-        return sig
+        return {"x_ptr": ptr, "w_ptr": "fp8e4nv", "ws_ptr": "fp32", "y_ptr": ptr}
 
     def constexprs(self) -> dict[str, int]:
         return {"N": self.n, "K": self.k, "BM": self.block_m, "BN": self.block_n, "BK": self.block_k,
                 "GROUP_M": self.group_m, "A_FP8": int(self.activation_quant == PER_TOKEN_GROUP),
-                "ACT": ACT_TYPES[self.act][1], "DOT16": int(self.act != "float32")}
+                "ACT": ACT_TYPES[self.act][1], "DOT16": int(dot16(getattr(torch, self.act)))}
 
     def grid_x(self, m):
         """Works on ints and on TensorRT shape expressions (only + * // are used)."""
@@ -133,48 +129,6 @@ def plan_for(act: str, n: int, k: int, activation_quant: int, tactic: int) -> Ao
         raise ValueError(f"Fp8BlockLinear AOT: activation_quant must be 0 or 1, got {activation_quant}")
     if activation_quant == PER_TOKEN_GROUP and k % BLOCK:
         raise ValueError(f"Fp8BlockLinear W8A8 needs K a multiple of {BLOCK}, got {k}")
-    if tactic not in TACTIC_ROWS:
-        raise ValueError(f"Fp8BlockLinear AOT: unknown tactic {tactic}; expected one of {sorted(TACTIC_ROWS)}")
-    cfg = linear_config(TACTIC_ROWS[tactic], n, k)
+    cfg = tactic_config(tactic, n, k)
     return AotLinearPlan(n, k, act, activation_quant, cfg.block_m, cfg.block_n, cfg.group_m,
                          cfg.num_warps, cfg.num_stages)
-
-
-def strip_unused_params(ptx: str, kernel: str, keep: int) -> str:
-    """Drop the entry parameters after the first `keep` if the body never reads them.
-
-    Triton >= 3.3 appends hidden scratch-pointer parameters to every kernel; TensorRT launches with exactly the
-    plugin's own arguments, so an entry that declares more would read past the argument array."""
-    head = re.search(r"\.entry\s+" + re.escape(kernel) + r"\s*\(", ptx)
-    if head is None:
-        raise ValueError(f"kernel {kernel!r} not found in the PTX")
-    close = ptx.index(")", head.end())
-    params = [p.strip() for p in ptx[head.end():close].split(",") if p.strip()]
-    if len(params) < keep:
-        raise ValueError(f"kernel {kernel!r} has {len(params)} parameters, expected at least {keep}")
-    body = ptx[close:]
-    for p in params[keep:]:
-        name = p.split()[-1]
-        if re.search(re.escape(name) + r"\b", body):
-            raise ValueError(f"kernel {kernel!r} reads its extra parameter {name}; cannot launch it from TensorRT")
-    inner = ",\n".join("\t" + p for p in params[:keep])
-    return ptx[:head.end()] + "\n" + inner + "\n" + ptx[close:]
-
-
-def compile_plan(plan: AotLinearPlan, target=None):
-    """Compile to PTX, shrinking the config until it fits the AOT shared-memory limit.
-    Returns (plan, kernel name, PTX text, block_x, shared bytes)."""
-    while plan is not None:
-        src = triton.compiler.ASTSource(fn=fp8_linear_aot_kernel, signature=plan.signature(),
-                                        constexprs=plan.constexprs())
-        options = {"num_warps": plan.num_warps, "num_stages": plan.num_stages}
-        compiled = triton.compile(src, target=target, options=options)
-        md = compiled.metadata
-        if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
-            raise ValueError("Fp8BlockLinear AOT kernel needs Triton scratch memory, which TensorRT cannot provide")
-        if md.shared <= AOT_SHARED_LIMIT:
-            n_args = len(KERNEL_TENSOR_ARGS) + len(KERNEL_SCALAR_ARGS) + len(KERNEL_OUTPUT_ARGS)
-            ptx = strip_unused_params(compiled.asm["ptx"], md.name, n_args)
-            return plan, md.name, ptx, md.num_warps * 32, md.shared
-        plan = plan.shrink()
-    raise ValueError("Fp8BlockLinear AOT: no tile config fits in 48 KiB of shared memory")

@@ -1,6 +1,7 @@
 """The TensorRT backend: the engines of an engine directory behind the Backend interface (runtime/backend.py).
 
-  * each engine is deserialized once, with one execution context; the profile is chosen per call by T
+  * each engine is deserialized once, with one execution context (and one per captured CUDA graph); the profile is
+    chosen per call by T
     (decode profile when T == 1, prefill otherwise) and switched only when it changes;
   * each layer's weights are uploaded once, on first use, as CUDA tensors in the graph's dtypes (bf16 checkpoint
     tensors in the activation dtype, FP8 as float8_e4m3fn, experts stacked) and bound by address on every call —
@@ -28,7 +29,7 @@ from k2trt.runtime.backend import BackendLimits, Progress, WeightSource, prepare
 from k2trt.runtime.graph_weights import graph_weights, source_names
 from k2trt.runtime.trt import engine_manifest as EM
 from k2trt.runtime.trt import environment
-from k2trt.runtime.trt.profiles import check_call_shape, eval_dim, profile_index
+from k2trt.runtime.trt.profiles import DECODE, check_call_shape, eval_dim, profile_index
 
 
 
@@ -70,17 +71,12 @@ class OutputArena:
         return buf[:n].view(shape)
 
 
-class Engine:
-    """One deserialized engine and its execution context."""
+class Context:
+    """One TensorRT execution context: its optimization profile, its bindings, its enqueue."""
 
-    def __init__(self, runtime, path: Path, entry: dict):
-        engine = runtime.deserialize_cuda_engine(path.read_bytes())
-        if engine is None:
-            raise K2Error(f"{path}: TensorRT could not deserialize the engine (see its log above)")
-        self.engine, self.entry = engine, entry
-        self.context = engine.create_execution_context()
+    def __init__(self, context, entry: dict, dtypes: dict):
+        self.context, self.entry, self.dtypes = context, entry, dtypes
         self.profile = None
-        self.dtypes = {i["name"]: torch_dtype(i["dtype"]) for i in entry["inputs"] + entry["outputs"]}
 
     def bind(self, t: int, inputs: dict, weights: dict, outputs: dict, stream: torch.cuda.Stream) -> None:
         ctx = self.context
@@ -104,6 +100,35 @@ class Engine:
     def enqueue(self, stream: torch.cuda.Stream) -> None:
         if not self.context.execute_async_v3(stream.cuda_stream):
             raise K2Error(f"{self.entry['kind']}: TensorRT failed to enqueue the engine (see its log above)")
+
+
+class Engine:
+    """One deserialized engine and its execution context (plus one per captured CUDA graph, see DecodeGraphs)."""
+
+    def __init__(self, runtime, path: Path, entry: dict):
+        engine = runtime.deserialize_cuda_engine(path.read_bytes())
+        if engine is None:
+            raise K2Error(f"{path}: TensorRT could not deserialize the engine (see its log above)")
+        self.engine, self.entry = engine, entry
+        self.dtypes = {i["name"]: torch_dtype(i["dtype"]) for i in entry["inputs"] + entry["outputs"]}
+        self.main = Context(engine.create_execution_context(), entry, self.dtypes)
+
+    def user_managed_context(self, trt, memory: torch.Tensor) -> Context:
+        """A new context whose activation memory is `memory` (ExecutionContextAllocationStrategy.USER_MANAGED)."""
+        ctx = self.engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
+        if ctx is None:
+            raise K2Error(f"{self.entry['kind']}: TensorRT could not create an execution context")
+        ctx.set_device_memory(memory.data_ptr(), memory.numel())
+        return Context(ctx, self.entry, self.dtypes)
+
+    def decode_memory_bytes(self) -> int:
+        return int(self.engine.get_device_memory_size_for_profile_v2(DECODE))
+
+    def bind(self, t: int, inputs: dict, weights: dict, outputs: dict, stream: torch.cuda.Stream) -> None:
+        self.main.bind(t, inputs, weights, outputs, stream)
+
+    def enqueue(self, stream: torch.cuda.Stream) -> None:
+        self.main.enqueue(stream)
 
 
 class TrtBackend:
@@ -134,7 +159,9 @@ class TrtBackend:
         self.act_dtype = torch_dtype(self.manifest["act_dtype"])
         self.device = torch.device("cuda", device)
         torch.cuda.set_device(self.device)
-        register_plugins()  # JIT plugins run Python at enqueue: their definitions must exist before deserializing
+        if any(mode == "jit" for e in self.manifest["engines"].values() for mode in e["plugins"].values()):
+            register_plugins()  # JIT plugins run Python at enqueue: their definitions must exist before deserializing
+        self.trt = trt
         self.logger = trt.Logger(trt.Logger.VERBOSE if verbose else trt.Logger.WARNING)
         self.runtime = trt.Runtime(self.logger)
         self.engines = {kind: Engine(self.runtime, engine_dir / e["file"], e)
@@ -236,16 +263,22 @@ class TrtBackend:
 class DecodeGraphs:
     """CUDA graphs of decode-step blocks (T == 1), one per layer, replayed instead of re-enqueued.
 
+    Correct by construction: every graph has an execution context of its own, bound once before its capture and
+    never again — the guarantee relied on is the one trtexec relies on (samples/common/sampleInference.cpp
+    captures one graph per execution context, after one ordinary enqueue and a stream synchronize, and replays it
+    with the bindings unchanged); no document says a replayed graph is independent of later bindings, so nothing
+    is re-bound. The contexts of one engine share one block of activation memory (created USER_MANAGED,
+    set_device_memory): NvInferRuntime.h forbids only its use by another context *in parallel*, and the graphs
+    replay one after another on one stream (layer 0 → L-1 each step).
+
     Conditions (why this is off by default):
-      * a graph bakes in every address: the batch B, the cache capacity P and each layer's cache buffer must be
-        the ones it was captured with — any change (a new generate call) recaptures, and all graphs are dropped
-        when B or P changes;
+      * a graph bakes in every address: the batch B, the cache capacity P and each layer's cache buffer must be the
+        ones it was captured with — a new cache buffer recaptures that layer, a new B or P drops every graph
+        (P grows in powers of two as sequences grow);
       * inputs are copied into static buffers before replay (a few KiB per layer in decode);
-      * the plugins' JIT Python runs only during capture, so their kernels must depend on shapes alone: no host
-        sync, no data-dependent launch (true of runtime/kernels: moe_fp8's buffers are bounded from shapes), and
-        their scratch allocations come from the capture's private memory pool;
-      * TensorRT needs one ordinary enqueue with the final shapes and addresses before capture, done here;
-      * replays run in capture order (layer 0 → L-1 every step), which is what lets all graphs share one pool.
+      * JIT plugins' Python runs only during capture, so their kernels must depend on shapes alone: no host sync, no
+        data-dependent launch (true of runtime/kernels), and their allocations come from the capture's pool;
+        AOT plugins (the default) are plain kernels in TensorRT's own launch sequence.
     Unverified without a GPU and TensorRT; compare its output with cuda_graphs=False before relying on it.
     """
 
@@ -253,11 +286,13 @@ class DecodeGraphs:
         self.backend = backend
         self.key: tuple | None = None  # (B, P) the graphs are for
         self.static: dict[str, torch.Tensor] = {}
-        self.per_layer: dict[int, tuple] = {}  # layer -> (cache data_ptr, graph, outputs)
+        self.per_layer: dict[int, tuple] = {}  # layer -> (cache data_ptr, context, graph, outputs)
+        self.memory: dict[str, torch.Tensor] = {}  # engine kind -> the activation memory its graph contexts share
         self.pool = None
 
     def _reset(self, b: int, p: int) -> None:
         be = self.backend
+        be.stream.synchronize()  # graphs and contexts about to be dropped have finished their replays
         self.key, self.per_layer, self.pool = (b, p), {}, torch.cuda.graph_pool_handle()
         cfg = be.cfg
         half = cfg.qk_rope_head_dim // 2
@@ -282,10 +317,17 @@ class DecodeGraphs:
             self.per_layer[layer] = captured
         else:
             with torch.cuda.stream(stream):
-                captured[1].replay()
+                captured[2].replay()
         torch.cuda.current_stream(be.device).wait_stream(stream)
-        outs = captured[2]
+        outs = captured[3]
         return outs["hidden_states_out"], outs["latent_new"]
+
+    def _memory(self, engine: Engine) -> torch.Tensor:
+        kind = engine.entry["kind"]
+        if kind not in self.memory:
+            size = max(engine.decode_memory_bytes(), 1)
+            self.memory[kind] = torch.empty(size, dtype=torch.uint8, device=self.backend.device)
+        return self.memory[kind]
 
     def _capture(self, layer: int, kind: str, cache: torch.Tensor, weights: dict) -> tuple:
         be = self.backend
@@ -293,10 +335,11 @@ class DecodeGraphs:
         b, p = self.key
         outs = {name: torch.empty(shape, dtype=engine.dtypes[name], device=be.device)
                 for name, shape in output_shapes(engine.entry, {"B": b, "T": 1, "P": p}).items()}
-        inputs = {**self.static, "latent_cache": cache}
-        engine.bind(1, inputs, weights, outs, be.stream)
-        engine.enqueue(be.stream)  # computes this step's result and flushes TensorRT's deferred updates
+        ctx = engine.user_managed_context(be.trt, self._memory(engine))
+        ctx.bind(1, {**self.static, "latent_cache": cache}, weights, outs, be.stream)
+        ctx.enqueue(be.stream)  # this step's result, and TensorRT's deferred work done before capture
+        be.stream.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=be.stream):
-            engine.enqueue(be.stream)
-        return cache.data_ptr(), graph, outs
+            ctx.enqueue(be.stream)
+        return cache.data_ptr(), ctx, graph, outs

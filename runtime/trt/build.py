@@ -1,12 +1,19 @@
 """`k2trt build`: one TensorRT engine per exported block kind, with a prefill and a decode profile.
 
     k2trt build --onnx build/onnx --out build/engines [--max-batch 8 --max-seq 4096 --max-prefill 2048 ...]
-                [--timing-cache FILE] [--aot-linear]
+                [--timing-cache FILE] [--plugins aot|jit]
 
-Reads the export manifest, registers our plugins, parses each trt/<kind>.onnx into a strongly typed network,
-adds the two profiles (runtime/trt/profiles.py), builds with a shared timing cache, and writes <kind>.engine
-atomically plus manifest.json (runtime/trt/engine_manifest.py). Needs TensorRT and an NVIDIA GPU; without them
-it stops with one line saying which is missing.
+Reads the export manifest, registers our plugins, writes the `aot` attribute on every plugin node, parses each
+trt/<kind>.onnx into a strongly typed network, adds the two profiles (runtime/trt/profiles.py), builds with a
+shared timing cache (showing TensorRT's progress), and writes <kind>.engine atomically plus manifest.json
+(runtime/trt/engine_manifest.py). Needs TensorRT and an NVIDIA GPU; without them it stops with one line saying
+which is missing.
+
+The JIT/AOT rule, decided once: every plugin node gets an explicit `aot` (1 by default: the engine runs without
+Python; 0 with --plugins jit, for debugging). A node with both implementations registered and no `aot` attribute
+is refused by TensorRT's plugin creator unless the network has a PREFER_*_PYTHON_PLUGINS flag (tensorrt/plugin/
+_lib.py _TemplatePluginCreator.create_plugin), and the node-level attribute overrides any flag (onnx-tensorrt
+importerUtils.cpp createPlugin), so the attribute alone decides and no flag is set.
 """
 
 from __future__ import annotations
@@ -21,8 +28,12 @@ from k2trt.export.block_graphs import KINDS
 from k2trt.export.manifest import graph_file, read_manifest
 from k2trt.runtime.trt import engine_manifest as EM
 from k2trt.runtime.trt import environment
+from k2trt.runtime.trt.progress import BuildProgress, progress_monitor
 from k2trt.runtime.trt.profiles import (ProfileSpec, add_profile_arguments, graph_profiles, is_dynamic,
                                         spec_from_args)
+
+
+PLUGIN_MODES = ("aot", "jit")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,56 +42,87 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_profile_arguments(p)
     p.add_argument("--timing-cache", type=Path, help="TensorRT timing cache to read and update (speeds up rebuilds)")
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="build only these engines")
-    p.add_argument("--aot-linear", action="store_true",
-                   help="run Fp8BlockLinear nodes as AOT plugins (PTX in the engine, no Python per call)")
+    p.add_argument("--plugins", choices=PLUGIN_MODES, default="aot",
+                   help="aot: plugin kernels compiled into the engine, which then runs without Python (default); "
+                        "jit: Python calls the kernels at every enqueue (debugging)")
     p.add_argument("--verbose", action="store_true", help="TensorRT's verbose log")
 
 
 def run(args) -> int:
-    export = read_manifest(args.onnx)
-    spec = spec_from_args(args)
-    if args.out.exists() and not args.out.is_dir():
-        raise K2Error(f"--out {args.out} exists and is not a directory")
-    graphs = {kind: _graph(export, kind, args.onnx) for kind in args.kinds}
+    build_engines(args.onnx, args.out, spec_from_args(args), args.kinds, args.plugins, args.timing_cache,
+                  args.verbose)
+    return 0
+
+
+def build_engines(onnx_dir: Path, out: Path, spec: ProfileSpec, kinds=KINDS, plugins: str = "aot",
+                  timing_cache: Path | None = None, verbose: bool = False, log=None, logger=None) -> dict:
+    """Build the engines of an export directory into `out` and write its manifest; -> the engine manifest.
+    log(line) shows progress (default: print, flushed — a build of K2 takes a while)."""
+    log = log or (lambda line: print(line, flush=True))
+    export = read_manifest(onnx_dir)
+    if out.exists() and not out.is_dir():
+        raise K2Error(f"--out {out} exists and is not a directory")
+    graphs = {kind: _graph(export, kind, onnx_dir) for kind in kinds}
     # Only now the heavy dependencies: every input error above is reported without TensorRT.
     trt = environment.import_tensorrt()
     environment.require_cuda()
     from k2trt.runtime.trt.plugins import register_plugins
 
     modes = register_plugins()  # before parsing: the parser looks our nodes up in the plugin registry
-    if args.aot_linear and modes["Fp8BlockLinear"] != "jit+aot":
-        raise K2Error(f"--aot-linear needs AOT Python plugins (TensorRT >= 10.10), this is {trt.__version__}")
+    aot = plugins == "aot"
+    check_plugin_modes(modes, aot, trt.__version__)
     env = environment.current_environment()
-    print(f"TensorRT {env['tensorrt_version']} on {env['gpu_name']} (sm {env['compute_capability']}); "
-          f"profiles: prefill T 1..{spec.max_prefill}, decode T 1; B 1..{spec.max_batch}, P 1..{spec.max_seq}")
-    builder = Builder(trt, spec, args.timing_cache, args.verbose)
+    target = configure_aot_target(env) if aot else None
+    log(f"TensorRT {env['tensorrt_version']} on {env['gpu_name']} (sm {env['compute_capability']}, driver CUDA "
+        f"{env['cuda_driver']}); plugins: {plugins}"
+        + (f", PTX {target.ptx_version // 10}.{target.ptx_version % 10}" if target and target.ptx_version else ""))
+    log(f"profiles: prefill T 1..{spec.max_prefill}, decode T 1; B 1..{spec.max_batch}, P 1..{spec.max_seq}")
+    builder = Builder(trt, spec, timing_cache, verbose, logger)
     engines = {}
-    args.out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    t_all = time.perf_counter()
     for i, (kind, graph) in enumerate(graphs.items(), 1):
         t0 = time.perf_counter()
-        print(f"[{i}/{len(graphs)}] {kind}: building from {graph['file']} ...", flush=True)
-        used = plugin_modes(graph, modes, args.aot_linear)
-        blob = builder.build(kind, args.onnx / graph["file"], graph, aot_linear=args.aot_linear)
-        path = args.out / f"{kind}.engine"
+        label = f"[{i}/{len(graphs)}] {kind}"
+        log(f"{label}: building from {graph['file']} ...")
+        model, used = with_aot_attribute(onnx_dir / graph["file"], aot)
+        blob = builder.build(kind, model, graph, BuildProgress(label, log))
+        path = out / f"{kind}.engine"
         atomic_write_bytes(path, blob)
         engines[kind] = EM.engine_entry(kind, graph, graph_profiles(spec, graph), path.name,
                                         EM.sha256_file(path), used)
-        print(f"[{i}/{len(graphs)}] {kind}: {len(blob) / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f} s",
-              flush=True)
+        log(f"{label}: {len(blob) / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f} s")
     builder.save_timing_cache()
-    EM.write_engine_manifest(args.out, EM.make_engine_manifest(export, spec, env, engines))
-    print(f"engines and manifest.json written to {args.out}")
-    return 0
+    manifest = EM.make_engine_manifest(export, spec, env, engines, None if target is None else target.ptx_version)
+    EM.write_engine_manifest(out, manifest)
+    log(f"engines and manifest.json written to {out} ({time.perf_counter() - t_all:.1f} s)")
+    return manifest
+
+
+def check_plugin_modes(modes: dict[str, str], aot: bool, version: str) -> None:
+    """AOT engines need every plugin to have its AOT implementation registered (TensorRT >= 10.9)."""
+    from k2trt.runtime.trt.plugins import AOT_PLUGINS_SINCE
+
+    if aot and any(m != "jit+aot" for m in modes.values()):
+        raise K2Error(f"AOT plugins need TensorRT >= {AOT_PLUGINS_SINCE}, this is {version}; "
+                      "build with --plugins jit")
+
+
+def configure_aot_target(env: dict):
+    """Compile AOT kernels for this GPU, with a PTX version this driver (and Triton's ptxas) accepts."""
+    from k2trt.runtime.trt import aot
+
+    major, minor = (int(v) for v in env["compute_capability"].split("."))
+    arch = major * 10 + minor
+    driver = tuple(int(v) for v in env["cuda_driver"].split(".")) if env.get("cuda_driver") else None
+    target = aot.Target(arch, environment.ptx_version_for(driver, environment.triton_ptx_version(arch)))
+    aot.configure(target)
+    return target
 
 
 def _graph(export: dict, kind: str, onnx_dir: Path) -> dict:
     graph_file(onnx_dir, export, f"trt/{kind}")  # present and unchanged since export
     return export["graphs"][f"trt/{kind}"]
-
-
-def plugin_modes(graph: dict, available: dict[str, str], aot_linear: bool) -> dict[str, str]:
-    """How each of our plugins runs in this engine: "jit" (Python at enqueue) or "aot" (PTX in the engine)."""
-    return {op: ("aot" if aot_linear and mode == "jit+aot" else "jit") for op, mode in available.items()}
 
 
 # ---- parsing -------------------------------------------------------------------------------------------
@@ -105,19 +147,31 @@ def _parser_errors(parser) -> list[tuple[str, str, str]]:
     return out
 
 
-def with_aot_attribute(model_path: Path) -> bytes:
-    """The graph with `aot=1` on every node whose plugin has an AOT implementation (the parser's switch)."""
+def with_aot_attribute(model_path: Path, aot: bool) -> tuple[bytes, dict[str, str]]:
+    """The graph file with an explicit `aot` on every plugin node (set_aot_attribute), serialized for the parser."""
     import onnx
-    from onnx import helper
-
-    from k2trt.runtime.trt.plugins import plugin_specs
 
     model = onnx.load(str(model_path))
-    aot_ops = {op for op, s in plugin_specs().items() if s.aot}
+    used = set_aot_attribute(model, aot)
+    return model.SerializeToString(), used
+
+
+def set_aot_attribute(model, aot: bool) -> dict[str, str]:
+    """Write `aot` (1 or 0) on every plugin node, replacing any; -> how each plugin of the graph runs
+    (op_type -> "aot" | "jit"). The parser reads `aot` as an int attribute (onnx-tensorrt importerUtils.cpp)."""
+    from onnx import helper
+
+    from k2trt.graphs import contracts
+
+    used = {}
     for node in model.graph.node:
-        if node.op_type in aot_ops and not any(a.name == "aot" for a in node.attribute):
-            node.attribute.append(helper.make_attribute("aot", 1))
-    return model.SerializeToString()
+        if node.domain != contracts.NAMESPACE:
+            continue
+        for a in [a for a in node.attribute if a.name == "aot"]:
+            node.attribute.remove(a)
+        node.attribute.append(helper.make_attribute("aot", int(aot)))
+        used[node.op_type] = "aot" if aot else "jit"
+    return dict(sorted(used.items()))
 
 
 def check_network_inputs(network_inputs: list[tuple[str, tuple]], graph: dict, label: str) -> None:
@@ -135,32 +189,44 @@ def check_network_inputs(network_inputs: list[tuple[str, tuple]], graph: dict, l
         raise K2Error(f"{label}: no dynamic input; expected B and T dims")
 
 
+def network_flags(trt) -> int:
+    """TensorRT 11 networks are always strongly typed (its kSTRONGLY_TYPED is deprecated and ignored); on 10.x ask
+    for it (kSTRONGLY_TYPED = 1, NvInfer.h NetworkDefinitionCreationFlag). No PREFER_*_PYTHON_PLUGINS: every
+    plugin node carries its own `aot` attribute."""
+    flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
+    if environment.tensorrt_major(trt.__version__) >= 11 or flag is None:
+        return 0
+    return 1 << int(flag)
+
+
+def parse_network(trt, builder, logger, model: bytes, label: str):
+    """A strongly typed network parsed from a graph with our plugin nodes (registered before)."""
+    network = builder.create_network(network_flags(trt))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse(model, label):
+        raise K2Error(format_parser_errors(label, _parser_errors(parser)))
+    return network, parser
+
+
 class Builder:
     """One TensorRT builder and timing cache for all engines of a build."""
 
-    def __init__(self, trt, spec: ProfileSpec, timing_cache: Path | None, verbose: bool = False):
+    def __init__(self, trt, spec: ProfileSpec, timing_cache: Path | None, verbose: bool = False, logger=None):
         self.trt, self.spec, self.cache_path = trt, spec, timing_cache
-        self.logger = trt.Logger(trt.Logger.VERBOSE if verbose else trt.Logger.WARNING)
+        self.logger = logger or trt.Logger(trt.Logger.VERBOSE if verbose else trt.Logger.WARNING)
         self.builder = trt.Builder(self.logger)
         data = timing_cache.read_bytes() if timing_cache and timing_cache.exists() else b""
         self._cache_config = self.builder.create_builder_config()
         self.cache = self._cache_config.create_timing_cache(data)
 
     def network_flags(self) -> int:
-        # TensorRT 11 networks are always strongly typed (flag 0); on 10.x ask for it explicitly.
-        flag = getattr(self.trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
-        if environment.tensorrt_major(self.trt.__version__) >= 11 or flag is None:
-            return 0
-        return 1 << int(flag)
+        return network_flags(self.trt)
 
-    def build(self, kind: str, path: Path, graph: dict, aot_linear: bool = False) -> bytes:
+    def build(self, kind: str, model: bytes, graph: dict, progress: BuildProgress | None = None) -> bytes:
         trt = self.trt
         label = graph["file"]
-        network = self.builder.create_network(self.network_flags())
-        parser = trt.OnnxParser(network, self.logger)
-        ok = parser.parse(with_aot_attribute(path), str(path)) if aot_linear else parser.parse_from_file(str(path))
-        if not ok:
-            raise K2Error(format_parser_errors(label, _parser_errors(parser)))
+        # the network refers to constants the parser holds: keep the parser until the engine is built
+        network, _parser = parse_network(trt, self.builder, self.logger, model, label)
         inputs = [network.get_input(i) for i in range(network.num_inputs)]
         check_network_inputs([(t.name, tuple(t.shape)) for t in inputs], graph, label)
         config = self.builder.create_builder_config()
@@ -170,6 +236,10 @@ class Builder:
                 p.set_shape(name, r.min, r.opt, r.max)
             config.add_optimization_profile(p)
         config.set_timing_cache(self.cache, False)
+        # the monitor must outlive every TensorRT object that uses it (IProgressMonitorDoc): kept on self
+        self.monitor = progress_monitor(trt, progress) if progress is not None else None
+        if self.monitor is not None:
+            config.progress_monitor = self.monitor
         blob = self.builder.build_serialized_network(network, config)
         if blob is None:
             raise K2Error(f"{label}: TensorRT could not build the {kind} engine (see its log above)")

@@ -13,7 +13,7 @@ from pathlib import Path
 import k2trt
 from k2trt.files import read_json_object, sha256_file, write_json
 from k2trt.errors import K2Error
-from k2trt.runtime.trt.environment import current_environment
+from k2trt.runtime.trt.environment import current_environment, max_ptx_for_cuda
 from k2trt.runtime.trt.profiles import Profile, ProfileSpec
 
 FORMAT = "k2trt-engines/1"
@@ -42,12 +42,16 @@ def engine_entry(kind: str, graph: dict, profiles: list[Profile], engine_file: s
     }
 
 
-def make_engine_manifest(export_manifest: dict, spec: ProfileSpec, env: dict, engines: dict) -> dict:
+def make_engine_manifest(export_manifest: dict, spec: ProfileSpec, env: dict, engines: dict,
+                         ptx_version: int | None = None) -> dict:
+    """ptx_version: the PTX ISA the AOT kernels carry (90 = 9.0), None without AOT plugins."""
     return {
         "format": FORMAT,
         "k2trt_version": k2trt.__version__,
         "tensorrt_version": env["tensorrt_version"],
         "gpu": {"name": env["gpu_name"], "compute_capability": env["compute_capability"]},
+        "cuda_driver": env.get("cuda_driver"),
+        "ptx_version": ptx_version,
         "config_fingerprint": export_manifest["config_fingerprint"],
         "config": export_manifest["config"],
         "act_dtype": export_manifest["act_dtype"],
@@ -72,6 +76,18 @@ def read_engine_manifest(engine_dir: Path) -> dict:
     return m
 
 
+def check_ptx(manifest: dict, env: dict, where: str) -> None:
+    """AOT plugins carry PTX that the driver JIT-compiles when the engine is loaded: it must know that PTX ISA."""
+    ptx, driver = manifest.get("ptx_version"), env.get("cuda_driver")
+    if ptx is None or driver is None:
+        return
+    major, minor = (int(v) for v in driver.split("."))
+    if ptx > max_ptx_for_cuda(major, minor):
+        raise EngineMismatch(f"{where}: the engines' AOT kernels are PTX {ptx // 10}.{ptx % 10}, this driver "
+                             f"(CUDA {driver}) loads up to {max_ptx_for_cuda(major, minor) / 10:.1f}; "
+                             "rebuild them here or update the driver")
+
+
 def check_environment(manifest: dict, env: dict, where: str) -> None:
     built, here = manifest["tensorrt_version"], env["tensorrt_version"]
     if built != here:
@@ -82,6 +98,7 @@ def check_environment(manifest: dict, env: dict, where: str) -> None:
         raise EngineMismatch(f"{where}: engines were built for compute capability {built_cc} "
                              f"({manifest['gpu']['name']}), this GPU is {here_cc} ({env['gpu_name']}); "
                              "rebuild them on this GPU")
+    check_ptx(manifest, env, where)
 
 
 def check_export(manifest: dict, export_manifest: dict, where: str) -> None:

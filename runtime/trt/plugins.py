@@ -1,19 +1,24 @@
-"""TensorRT plugins for the two node contracts of graphs/contracts.py, via `tensorrt.plugin` (quickly deployable
-Python plugins).
+"""TensorRT plugins for the nodes of the TensorRT-bound graphs (graphs/contracts.TENSORRT), via `tensorrt.plugin`
+(quickly deployable Python plugins): Fp8BlockLinear and the four MoE stages. Each is one kernel, so each has
 
-The plugin *descriptions* — id, namespace, version, input/output names and dtypes, attribute names and types,
-output shape rule, tactics — are plain data (`plugin_specs()`), derived from the contracts and checked by
-tests/test_trt_glue.py without TensorRT. `register_plugins()` imports TensorRT and hands the functions below to
-trtp.register / impl / autotune / aot_impl, annotated from those specs (TensorRT reads the annotations to tell
-tensor inputs from attributes and validates every signature against the registered one).
+  * a JIT implementation (`impl`: Python at every enqueue, the Triton kernels of runtime/kernels launched from
+    torch on TensorRT's stream) — for debugging, and for TensorRT 10.6–10.8;
+  * an AOT implementation (`aot_impl`: the same kernel compiled to PTX at build time and embedded in the engine,
+    runtime/trt/aot*.py) — the engine then runs without Python (trtexec, C++, Triton Inference Server).
 
-Implementations:
-  * Fp8BlockLinear — JIT (`impl`: Python at every enqueue, the Triton kernels of runtime/kernels) and AOT
-    (`aot_impl`: one Triton kernel that quantizes activations in-kernel, runtime/trt/aot_linear.py, compiled to PTX
-    at build time and embedded in the engine). The parser picks AOT only for nodes with the attribute `aot=1`
-    (`k2trt build --aot-linear` adds it).
-  * MoeFp8 — JIT only: routing alignment, activation quantization, two grouped GEMMs and a combine are several
-    launches with scratch buffers, while an AOT plugin is exactly one kernel without workspace.
+Which one a node uses is decided by the node's `aot` attribute, which `k2trt build` writes on every node
+(runtime/trt/build.with_aot_attribute): with both implementations registered and neither the attribute nor a
+PREFER_*_PYTHON_PLUGINS network flag, TensorRT's plugin creator refuses the node (tensorrt/plugin/_lib.py,
+_TemplatePluginCreator.create_plugin; the parser reads `aot` in onnx-tensorrt importerUtils.cpp createPlugin).
+
+Attributes are declared as 1-element NumPy arrays, not `int`: the ONNX parser hands an INT attribute over as a
+kINT32 field of length 1 (onnx-tensorrt loadFields), and the creator converts a field with `annotation(f.data)` for
+built-in annotations — `int(array([1]))`, a TypeError since NumPy 2.4 — but with `f.data.astype(dtype)` for
+`numpy.typing.NDArray[dtype]` ones (_lib.py create_plugin). The same path runs when an engine with JIT plugins is
+deserialized (fields serialized by _plugin_class.get_fields_to_serialize). `attribute(value)` reads element 0.
+
+The plugin descriptions (names, ports, attributes, tactics) are plain data derived from the contracts and tested
+without TensorRT (tests/test_trt_glue.py, against a stand-in that follows TensorRT's source).
 """
 
 from __future__ import annotations
@@ -21,11 +26,11 @@ from __future__ import annotations
 import contextlib
 import typing
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
+import numpy.typing as npt
 
-from k2trt.dtypes import BY_TRT
+from k2trt.dtypes import BY_ONNX, BY_TRT
 from k2trt.dtypes import dtype as dtype_info
 from k2trt.graphs import contracts
 from k2trt.graphs.contracts import NodeContract
@@ -34,110 +39,146 @@ from k2trt.graphs.contracts import NodeContract
 PARSER_ATTRIBUTES = ("plugin_namespace", "plugin_version", "aot")
 # tensorrt.plugin registers every plugin as version "1"; the exported nodes must say the same.
 QDP_PLUGIN_VERSION = "1"
-
-ATTRIBUTE_PY_TYPES = {"int": int, "float": float, "str": str}
-
-# Fp8BlockLinear tactics: id -> the row count whose tile config (runtime/kernels/fp8_linear.linear_config) the AOT
-# kernel is compiled with. TensorRT times each per profile and keeps the fastest (decode: small tiles).
-LINEAR_TACTIC_ROWS = {1: 1, 2: 64, 3: 4096}
-
-
-@dataclass(frozen=True)
-class PortSpec:
-    name: str
-    dtypes: tuple[str, ...]  # contract dtype names
-    follows_activation: bool  # its dtype is the activation dtype (one of ACTIVATION_DTYPES, same for all such ports)
+# How a contract attribute type is annotated for tensorrt.plugin (see the module docstring).
+ATTRIBUTE_ANNOTATIONS = {"int": npt.NDArray[np.int32], "float": npt.NDArray[np.float32], "str": str}
+# TensorRT versions: tensorrt.plugin appeared in 10.6, aot_impl (and the parser's `aot` attribute) in 10.9
+# (TensorRT CHANGELOG.md; python/packaging/bindings_wheel/tensorrt/plugin history).
+PYTHON_PLUGINS_SINCE = "10.6"
+AOT_PLUGINS_SINCE = "10.9"
 
 
 @dataclass(frozen=True)
 class PluginSpec:
-    op_type: str
-    namespace: str
-    version: str
-    inputs: tuple[PortSpec, ...]
-    outputs: tuple[PortSpec, ...]
-    attributes: tuple[tuple[str, str], ...]  # (name, "int" | "float" | "str"), in register order
-    output_shape: Callable[[list], list]  # input shapes (ints or TensorRT shape exprs) -> the output's shape
-    tactics: tuple[int, ...]  # custom tactics TensorRT times (empty: one default)
-    aot: bool  # has an aot_impl
-    impl_note: str
+    contract: NodeContract
+    tactics: tuple[int, ...]  # custom tactics TensorRT times, for JIT and AOT alike (empty: one default)
+
+    @property
+    def op_type(self) -> str:
+        return self.contract.op_type
+
+    @property
+    def namespace(self) -> str:
+        return contracts.NAMESPACE
+
+    @property
+    def version(self) -> str:
+        return contracts.PLUGIN_VERSION
 
     @property
     def plugin_id(self) -> str:
-        return f"{self.namespace}::{self.op_type}"
+        return self.contract.plugin_id
 
     @property
     def input_names(self) -> list[str]:
-        return [p.name for p in self.inputs]
+        return [p.name for p in self.contract.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [p.name for p in self.contract.outputs]
 
     @property
     def attribute_names(self) -> list[str]:
-        return [a for a, _ in self.attributes]
-
-    def type_combinations(self) -> list[str]:
-        """AutoTuneCombination io_types strings: one per activation dtype (inputs then outputs)."""
-        combos = []
-        for act in contracts.ACTIVATION_DTYPES:
-            types = []
-            for p in self.inputs + self.outputs:
-                dt = act if p.follows_activation else p.dtypes[0]
-                types.append(autotune_type(dt))
-            combos.append(",".join(types))
-        return combos
+        return self.contract.attribute_names()
 
     def layouts(self) -> str:
-        return ",".join(["LINEAR"] * (len(self.inputs) + len(self.outputs)))
-
-
-def _ports(ports) -> tuple[PortSpec, ...]:
-    out = []
-    for p in ports:
-        act = tuple(p.dtypes) == tuple(contracts.ACTIVATION_DTYPES)
-        if not act and len(p.dtypes) != 1:
-            raise ValueError(f"port {p.name}: a plugin port is either the activation dtype or one fixed dtype")
-        out.append(PortSpec(p.name, tuple(p.dtypes), act))
-    return tuple(out)
-
-
-def _linear_out_shape(shapes: list) -> list:
-    x, w = shapes[0], shapes[1]
-    return [x[i] for i in range(len(x) - 1)] + [w[0]]  # [B, T, N], N = weight rows
-
-
-def _like_x(shapes: list) -> list:
-    return [shapes[0][i] for i in range(len(shapes[0]))]
-
-
-def _spec(c: NodeContract, output_shape, tactics, aot, note) -> PluginSpec:
-    return PluginSpec(c.op_type, contracts.NAMESPACE, contracts.PLUGIN_VERSION, _ports(c.inputs), _ports(c.outputs),
-                      tuple((a.name, a.type) for a in c.attributes), output_shape, tuple(tactics), aot, note)
+        return ",".join(["LINEAR"] * (len(self.contract.inputs) + len(self.contract.outputs)))
 
 
 def plugin_specs() -> dict[str, PluginSpec]:
-    """op_type -> PluginSpec, for every node contract."""
-    specs = {
-        "Fp8BlockLinear": _spec(contracts.FP8_BLOCK_LINEAR, _linear_out_shape, tuple(LINEAR_TACTIC_ROWS), True,
-                                "JIT (Triton via torch at enqueue) and AOT (one in-kernel-quantizing Triton kernel, "
-                                "PTX in the engine) — AOT for nodes with aot=1"),
-        "MoeFp8": _spec(contracts.MOE_FP8, _like_x, (), False,
-                        "JIT only: several kernels plus scratch buffers; an AOT plugin is a single kernel"),
-    }
-    if set(specs) != set(contracts.CONTRACTS):
-        raise AssertionError("every node contract needs a plugin spec")
-    return specs
+    """op_type -> PluginSpec, for every node of the TensorRT-bound graphs."""
+    from k2trt.runtime.kernels.fp8_linear import LINEAR_TACTIC_ROWS
+    from k2trt.runtime.kernels.moe import GEMM_TACTICS
+
+    tactics = {"Fp8BlockLinear": tuple(LINEAR_TACTIC_ROWS), "MoeGateUp": tuple(GEMM_TACTICS),
+               "MoeDown": tuple(GEMM_TACTICS)}
+    return {c.op_type: PluginSpec(c, tactics.get(c.op_type, ())) for c in contracts.TENSORRT}
 
 
-# ---- tensors --------------------------------------------------------------------------------------------
+# ---- attributes, types, shapes ---------------------------------------------------------------------------
 
-def autotune_type(dtype: str) -> str:
-    """The type name AutoTuneCombination takes: trt.DataType's member name (tensorrt/plugin/_utils.py
-    _str_to_data_type accepts those, plus FP32/FP16 as aliases)."""
-    return dtype_info(dtype).trt
+def attribute(value) -> int | float | str:
+    """A plugin attribute as TensorRT hands it over (a 1-element array for int and float) -> the Python value."""
+    if isinstance(value, str):
+        return value
+    flat = np.asarray(value).reshape(-1)
+    if flat.size != 1:
+        raise ValueError(f"expected a single-value plugin attribute, got {flat.size} values")
+    return flat[0].item()
 
+
+def our_dtype(trt_dtype) -> str:
+    """Our dtype name of a trt.DataType."""
+    return BY_TRT[trt_dtype.name].name
+
+
+def trt_type_name(dtype: str) -> str:
+    """The name tensorrt.plugin's type strings use for our dtype (trt.DataType's member name, which
+    tensorrt/plugin/_utils._str_to_data_type resolves with getattr)."""
+    name = dtype_info(dtype).trt
+    if name is None:
+        raise ValueError(f"TensorRT has no data type for {dtype}")
+    return name
+
+
+def io_dtypes(op_type: str, act: str | None, activation_quant: int) -> list[str]:
+    """Every input's then every output's dtype for a graph computing in `act` with the given FP8 mode."""
+    c = contracts.CONTRACTS[op_type]
+    return [p.dtype_for(act, activation_quant) for p in c.inputs + c.outputs]
+
+
+def _activation_of(op_type: str, dtypes: list[str], attrs: dict) -> str | None:
+    """The activation dtype a node computes in: its first activation input's (MoeDown: its out_dtype attribute);
+    None for a node with no activations (MoeAlign)."""
+    if op_type == "MoeDown":
+        return BY_ONNX[int(attrs["out_dtype"])].name
+    c = contracts.CONTRACTS[op_type]
+    return next((dt for port, dt in zip(c.inputs, dtypes) if port.dtypes == contracts.ACTIVATION_DTYPES), None)
+
+
+def check_input_dtypes(op_type: str, dtypes: list[str], attrs: dict) -> str | None:
+    """Refuse inputs whose dtypes the contract does not allow; -> the activation dtype (None: the node has none)."""
+    c = contracts.CONTRACTS[op_type]
+    act = _activation_of(op_type, dtypes, attrs)
+    if act is not None and act not in contracts.ACTIVATION_DTYPES:
+        raise ValueError(f"{c.plugin_id}: activation dtype {act} is not one of {contracts.ACTIVATION_DTYPES}")
+    aq = int(attrs.get("activation_quant", contracts.W8A8))
+    want = io_dtypes(op_type, act, aq)[:len(c.inputs)]
+    for port, got, expected in zip(c.inputs, dtypes, want):
+        if got != expected:
+            raise ValueError(f"{c.plugin_id}: input {port.name} is {got}, expected {expected}")
+    return act
+
+
+def output_shapes(op_type: str, shapes: list, attrs: dict) -> list[list]:
+    """Each output's shape from the input shapes (ints or TensorRT shape expressions: only + * // are used)."""
+    s = dict(zip([p.name for p in contracts.CONTRACTS[op_type].inputs], shapes))
+    if op_type == "Fp8BlockLinear":
+        return [[*s["x"][:-1], s["weight"][0]]]
+    if op_type == "MoeAlign":
+        return [[_product(s["topk_ids"])], [int(attrs["num_experts"]) + 1]]
+    if op_type == "MoeGateUp":
+        n, inter = s["sorted_pairs"][0], s["gate_weight"][1]
+        return [[n, inter], [n, (inter + 127) // 128]]
+    if op_type == "MoeDown":
+        return [[s["h"][0], s["down_weight"][1]]]
+    if op_type == "MoeCombine":
+        return [[*s["topk_weights"][:-1], s["pair_out"][1]]]
+    raise KeyError(op_type)
+
+
+def _product(dims):
+    out = dims[0]
+    for d in dims[1:]:
+        out = out * d
+    return out
+
+
+# ---- torch views of TensorRT's buffers (JIT) -----------------------------------------------------------------
 
 def interface_typestr(dtype: str) -> str:
     """The __cuda_array_interface__ typestr a buffer of `dtype` travels as. TensorRT's own interface raises for
-    BF16 and FP8, and NumPy has neither: those travel as the unsigned integer of the same size and are re-viewed."""
+    BF16 and FP8 (tensorrt/plugin/_tensor.py Tensor.__cuda_array_interface__), and NumPy has neither: those travel
+    as the unsigned integer of the same size and are re-viewed."""
     d = dtype_info(dtype)
     return np.dtype(d.numpy).str if d.numpy is not None else np.dtype(f"u{d.itemsize}").str
 
@@ -159,7 +200,7 @@ def as_torch(t):
     """A tensorrt.plugin Tensor as a torch CUDA tensor sharing its memory, in the matching torch dtype."""
     import torch
 
-    dtype = BY_TRT[t.dtype.name].name
+    dtype = our_dtype(t.dtype)
     strides = getattr(t, "strides", None)
     view = torch.as_tensor(_CudaBuffer(cuda_array_interface(t.data_ptr, tuple(t.shape), strides, dtype)),
                            device="cuda")
@@ -175,140 +216,255 @@ def _on_stream(stream: int):
 
 
 # ---- the plugin functions (annotated and registered by register_plugins) -----------------------------------
-# Parameter names are the contract's port and attribute names: TensorRT matches them to the node.
+# Parameter names are the contract's port and attribute names: TensorRT matches them to the node. impl and
+# aot_impl take every attribute, in register order: _TemplateAOTPlugin.get_launch_params passes all of them.
 
-def fp8_block_linear_desc(x, weight, weight_scale_inv, activation_quant):
-    return _output_desc("Fp8BlockLinear", x, (x, weight, weight_scale_inv))
-
-
-def fp8_block_linear_autotune(x, weight, weight_scale_inv, outputs):
-    return _combinations("Fp8BlockLinear")
-
-
-def fp8_block_linear_impl(x, weight, weight_scale_inv, activation_quant, outputs, stream, tactic):
-    # JIT: the runtime kernel picks its own tiles from the actual row count, so the tactic is not needed here.
-    from k2trt.runtime.kernels.fp8_linear import fp8_block_linear
-
-    with _on_stream(stream):
-        fp8_block_linear(as_torch(x), as_torch(weight), as_torch(weight_scale_inv), int(activation_quant),
-                         out=as_torch(outputs[0]))
-
-
-def fp8_block_linear_aot_impl(x, weight, weight_scale_inv, activation_quant, outputs, tactic):
+def _descs(op_type: str, inputs, attrs: dict):
+    """register: check the input dtypes, then one TensorDesc per output."""
+    import tensorrt as trt
     import tensorrt.plugin as trtp
 
-    from k2trt.runtime.trt import aot_linear
+    act = check_input_dtypes(op_type, [our_dtype(t.dtype) for t in inputs], attrs)
+    aq = int(attrs.get("activation_quant", contracts.W8A8))
+    out_types = io_dtypes(op_type, act, aq)[len(inputs):]
+    shapes = output_shapes(op_type, [t.shape_expr for t in inputs], attrs)
+    descs = tuple(trtp.from_shape_expr(tuple(shape), dtype=getattr(trt.DataType, trt_type_name(dt)))
+                  for shape, dt in zip(shapes, out_types))
+    return descs[0] if len(descs) == 1 else descs
 
-    n, k = (_constant(weight.shape_expr[i], f"weight dim {i}") for i in (0, 1))
-    act = BY_TRT[x.dtype.name].name
-    plan = aot_linear.plan_for(act, n, k, int(activation_quant), int(tactic))
-    plan, name, ptx, block_x, shared = aot_linear.compile_plan(plan)
-    rows = x.shape_expr[0]
-    for i in range(1, x.ndim - 1):
-        rows = rows * x.shape_expr[i]
+
+def _combination(op_type: str, inputs, outputs):
+    """autotune: the one type combination the (strongly typed) network has, LINEAR layouts, the op's tactics."""
+    import tensorrt.plugin as trtp
+
+    spec = plugin_specs()[op_type]
+    types = ",".join(t.dtype.name for t in list(inputs) + list(outputs))
+    return [trtp.AutoTuneCombination(types, spec.layouts(), list(spec.tactics) or None)]
+
+
+def _aot_launch(plan, grid, extra):
+    """aot_impl's return value: the plan compiled for this build's target (shrunk to fit, if need be), its launch
+    grid — grid(plan as compiled) -> (grid_x, grid_y) — and the extra int32 scalars."""
+    import tensorrt.plugin as trtp
+
+    from k2trt.runtime.trt import aot
+
+    plan, kernel = aot.compile_plan(plan)
     params = trtp.KernelLaunchParams()
-    params.grid_x = plan.grid_x(rows)
-    params.block_x = block_x
-    params.shared_mem = shared
-    extra = trtp.SymIntExprs(1)
-    extra[0] = trtp.SymInt32(rows)  # the kernel's M, after the input pointers (aot_linear.KERNEL_SCALAR_ARGS)
-    return name, ptx, params, extra
+    params.grid_x, params.grid_y = grid(plan)
+    params.block_x = kernel.block_x
+    params.shared_mem = kernel.shared
+    args = trtp.SymIntExprs(len(extra))
+    for i, e in enumerate(extra):
+        args[i] = trtp.SymInt32(e)
+    return kernel.name, kernel.ptx, params, args
 
 
-def moe_fp8_desc(x, topk_ids, topk_weights, gate_weight, gate_scale_inv, up_weight, up_scale_inv, down_weight,
-                 down_scale_inv, activation_quant):
-    return _output_desc("MoeFp8", x, (x, topk_ids, topk_weights, gate_weight, gate_scale_inv, up_weight,
-                                      up_scale_inv, down_weight, down_scale_inv))
-
-
-def moe_fp8_autotune(x, topk_ids, topk_weights, gate_weight, gate_scale_inv, up_weight, up_scale_inv, down_weight,
-                     down_scale_inv, outputs):
-    return _combinations("MoeFp8")
-
-
-def moe_fp8_impl(x, topk_ids, topk_weights, gate_weight, gate_scale_inv, up_weight, up_scale_inv, down_weight,
-                 down_scale_inv, activation_quant, outputs, stream):
-    from k2trt.runtime.kernels.moe import moe_fp8
-
-    with _on_stream(stream):
-        gate = as_torch(gate_weight)
-        # TensorRT times plugins on uninitialized buffers while building; an out-of-range expert id would make
-        # the dispatch scatter fault and poison the CUDA context. Router ids are always in range, so this is a no-op
-        # at inference (one tiny elementwise kernel).
-        ids = as_torch(topk_ids).clamp(0, gate.shape[0] - 1)
-        moe_fp8(as_torch(x), ids, as_torch(topk_weights), gate, as_torch(gate_scale_inv), as_torch(up_weight),
-                as_torch(up_scale_inv), as_torch(down_weight), as_torch(down_scale_inv),
-                activation_quant=int(activation_quant), out=as_torch(outputs[0]))
-
-
-# op_type -> (register, impl, autotune, aot_impl or None)
-PLUGIN_FUNCTIONS = {
-    "Fp8BlockLinear": (fp8_block_linear_desc, fp8_block_linear_impl, fp8_block_linear_autotune,
-                       fp8_block_linear_aot_impl),
-    "MoeFp8": (moe_fp8_desc, moe_fp8_impl, moe_fp8_autotune, None),
-}
-
-
-def _output_desc(op_type: str, like, inputs):
+def _moe_aot(plan, num_pairs, num_tokens):
     import tensorrt.plugin as trtp
 
-    spec = plugin_specs()[op_type]
-    dims = spec.output_shape([t.shape_expr for t in inputs])
-    return trtp.from_shape_expr(tuple(dims), dtype=like.dtype)
-
-
-def _combinations(op_type: str):
-    import tensorrt.plugin as trtp
-
-    spec = plugin_specs()[op_type]
-    return [trtp.AutoTuneCombination(types, spec.layouts(), list(spec.tactics) or None)
-            for types in spec.type_combinations()]
+    return _aot_launch(plan, lambda p: p.grid(num_pairs, num_tokens, minimum=trtp.min),
+                       plan.extra_args(num_pairs, num_tokens))
 
 
 def _constant(expr, what: str) -> int:
     if expr.is_fake or not expr.is_constant:
-        raise ValueError(f"Fp8BlockLinear AOT needs a static {what} (weights have static shapes)")
+        raise ValueError(f"AOT needs a static {what} (weights have static shapes)")
     return int(expr.constant_value())
+
+
+def _rows(desc):
+    """B·T of a [B, T, ...] tensor as a shape expression."""
+    return _product([desc.shape_expr[i] for i in range(desc.ndim - 1)])
+
+
+# Fp8BlockLinear
+def fp8_block_linear_desc(x, weight, weight_scale_inv, activation_quant):
+    return _descs("Fp8BlockLinear", (x, weight, weight_scale_inv), {"activation_quant": attribute(activation_quant)})
+
+
+def fp8_block_linear_autotune(x, weight, weight_scale_inv, outputs):
+    return _combination("Fp8BlockLinear", (x, weight, weight_scale_inv), outputs)
+
+
+def fp8_block_linear_impl(x, weight, weight_scale_inv, activation_quant, outputs, stream, tactic):
+    from k2trt.runtime.kernels.fp8_linear import fp8_block_linear, tactic_config
+
+    n, k = weight.shape[0], weight.shape[1]
+    with _on_stream(stream):
+        fp8_block_linear(as_torch(x), as_torch(weight), as_torch(weight_scale_inv), attribute(activation_quant),
+                         out=as_torch(outputs[0]), config=tactic_config(int(tactic), n, k))
+
+
+def fp8_block_linear_aot_impl(x, weight, weight_scale_inv, activation_quant, outputs, tactic):
+    from k2trt.runtime.trt import aot_linear
+
+    n, k = (_constant(weight.shape_expr[i], f"weight dim {i}") for i in (0, 1))
+    plan = aot_linear.plan_for(our_dtype(x.dtype), n, k, attribute(activation_quant), int(tactic))
+    rows = _rows(x)
+    return _aot_launch(plan, lambda p: (p.grid_x(rows), 1), (rows,))  # extra: the kernel's M
+
+
+# MoeAlign
+def moe_align_desc(topk_ids, num_experts):
+    return _descs("MoeAlign", (topk_ids,), {"num_experts": attribute(num_experts)})
+
+
+def moe_align_autotune(topk_ids, outputs):
+    return _combination("MoeAlign", (topk_ids,), outputs)
+
+
+def moe_align_impl(topk_ids, num_experts, outputs, stream):
+    from k2trt.runtime.kernels.moe import moe_align
+
+    with _on_stream(stream):
+        moe_align(as_torch(topk_ids), attribute(num_experts), as_torch(outputs[0]), as_torch(outputs[1]))
+
+
+def moe_align_aot_impl(topk_ids, num_experts, outputs, tactic):
+    from k2trt.runtime.trt.aot_moe import AlignPlan
+
+    pairs = _product(list(topk_ids.shape_expr))
+    return _moe_aot(AlignPlan(attribute(num_experts)), pairs, None)
+
+
+# MoeGateUp
+def moe_gate_up_desc(x, sorted_pairs, expert_offsets, gate_weight, gate_scale_inv, up_weight, up_scale_inv,
+                     activation_quant):
+    return _descs("MoeGateUp", (x, sorted_pairs, expert_offsets, gate_weight, gate_scale_inv, up_weight,
+                                up_scale_inv), {"activation_quant": attribute(activation_quant)})
+
+
+def moe_gate_up_autotune(x, sorted_pairs, expert_offsets, gate_weight, gate_scale_inv, up_weight, up_scale_inv,
+                         outputs):
+    return _combination("MoeGateUp", (x, sorted_pairs, expert_offsets, gate_weight, gate_scale_inv, up_weight,
+                                      up_scale_inv), outputs)
+
+
+def moe_gate_up_impl(x, sorted_pairs, expert_offsets, gate_weight, gate_scale_inv, up_weight, up_scale_inv,
+                     activation_quant, outputs, stream, tactic):
+    from k2trt.runtime.kernels.moe import moe_gate_up
+
+    with _on_stream(stream):
+        xt = as_torch(x)
+        moe_gate_up(xt.reshape(-1, xt.shape[-1]), as_torch(sorted_pairs), as_torch(expert_offsets),
+                    as_torch(gate_weight), as_torch(gate_scale_inv), as_torch(up_weight), as_torch(up_scale_inv),
+                    attribute(activation_quant), int(tactic), as_torch(outputs[0]), as_torch(outputs[1]))
+
+
+def moe_gate_up_aot_impl(x, sorted_pairs, expert_offsets, gate_weight, gate_scale_inv, up_weight, up_scale_inv,
+                         activation_quant, outputs, tactic):
+    from k2trt.runtime.trt.aot_moe import gemm_plan
+
+    e, inter, d = (_constant(gate_weight.shape_expr[i], f"gate_weight dim {i}") for i in range(3))
+    plan = gemm_plan("gate_up", e, inter, d, our_dtype(x.dtype), attribute(activation_quant), int(tactic))
+    return _moe_aot(plan, sorted_pairs.shape_expr[0], _rows(x))
+
+
+# MoeDown
+def moe_down_desc(h, h_scale, sorted_pairs, expert_offsets, down_weight, down_scale_inv, activation_quant,
+                  out_dtype):
+    return _descs("MoeDown", (h, h_scale, sorted_pairs, expert_offsets, down_weight, down_scale_inv),
+                  {"activation_quant": attribute(activation_quant), "out_dtype": attribute(out_dtype)})
+
+
+def moe_down_autotune(h, h_scale, sorted_pairs, expert_offsets, down_weight, down_scale_inv, outputs):
+    return _combination("MoeDown", (h, h_scale, sorted_pairs, expert_offsets, down_weight, down_scale_inv), outputs)
+
+
+def moe_down_impl(h, h_scale, sorted_pairs, expert_offsets, down_weight, down_scale_inv, activation_quant,
+                  out_dtype, outputs, stream, tactic):
+    from k2trt.runtime.kernels.moe import moe_down
+
+    with _on_stream(stream):
+        out = as_torch(outputs[0])
+        moe_down(as_torch(h), as_torch(h_scale), as_torch(sorted_pairs), as_torch(expert_offsets),
+                 as_torch(down_weight), as_torch(down_scale_inv), attribute(activation_quant), out.dtype,
+                 int(tactic), out)
+
+
+def moe_down_aot_impl(h, h_scale, sorted_pairs, expert_offsets, down_weight, down_scale_inv, activation_quant,
+                      out_dtype, outputs, tactic):
+    from k2trt.runtime.trt.aot_moe import gemm_plan
+
+    e, d, inter = (_constant(down_weight.shape_expr[i], f"down_weight dim {i}") for i in range(3))
+    act = BY_ONNX[int(attribute(out_dtype))].name
+    plan = gemm_plan("down", e, d, inter, act, attribute(activation_quant), int(tactic))
+    return _moe_aot(plan, h.shape_expr[0], None)
+
+
+# MoeCombine
+def moe_combine_desc(pair_out, topk_weights):
+    return _descs("MoeCombine", (pair_out, topk_weights), {})
+
+
+def moe_combine_autotune(pair_out, topk_weights, outputs):
+    return _combination("MoeCombine", (pair_out, topk_weights), outputs)
+
+
+def moe_combine_impl(pair_out, topk_weights, outputs, stream):
+    from k2trt.runtime.kernels.moe import moe_combine
+
+    with _on_stream(stream):
+        y = as_torch(outputs[0])
+        moe_combine(as_torch(pair_out), as_torch(topk_weights), out=y.view(-1, y.shape[-1]))
+
+
+def moe_combine_aot_impl(pair_out, topk_weights, outputs, tactic):
+    from k2trt.runtime.trt.aot_moe import CombinePlan
+
+    d = _constant(pair_out.shape_expr[1], "pair_out dim 1")
+    k = _constant(topk_weights.shape_expr[topk_weights.ndim - 1], "top-k")
+    return _moe_aot(CombinePlan(d, k, our_dtype(pair_out.dtype)), None, _rows(topk_weights))
+
+
+# op_type -> (register, impl, autotune, aot_impl)
+PLUGIN_FUNCTIONS = {
+    "Fp8BlockLinear": (fp8_block_linear_desc, fp8_block_linear_impl, fp8_block_linear_autotune,
+                       fp8_block_linear_aot_impl),
+    "MoeAlign": (moe_align_desc, moe_align_impl, moe_align_autotune, moe_align_aot_impl),
+    "MoeGateUp": (moe_gate_up_desc, moe_gate_up_impl, moe_gate_up_autotune, moe_gate_up_aot_impl),
+    "MoeDown": (moe_down_desc, moe_down_impl, moe_down_autotune, moe_down_aot_impl),
+    "MoeCombine": (moe_combine_desc, moe_combine_impl, moe_combine_autotune, moe_combine_aot_impl),
+}
 
 
 # ---- registration ----------------------------------------------------------------------------------------
 
 def expected_signatures(spec: PluginSpec) -> dict[str, list[str]]:
-    """Parameter lists tensorrt.plugin accepts for each function (its documented schemas)."""
+    """Parameter lists tensorrt.plugin accepts for each function (_validate.py; impl and aot_impl with every
+    attribute, which get_launch_params requires of aot_impl)."""
     ins, attrs = spec.input_names, spec.attribute_names
     impl = ins + attrs + ["outputs", "stream"] + (["tactic"] if spec.tactics else [])
-    sigs = {"register": ins + attrs, "impl": impl, "autotune": ins + ["outputs"]}
-    if spec.aot:
-        sigs["aot_impl"] = ins + attrs + ["outputs", "tactic"]
-    return sigs
+    return {"register": ins + attrs, "impl": impl, "autotune": ins + ["outputs"],
+            "aot_impl": ins + attrs + ["outputs", "tactic"]}
 
 
 def _annotate(spec: PluginSpec, trtp) -> None:
     desc, impl, autotune, aot = PLUGIN_FUNCTIONS[spec.op_type]
     ann = {n: trtp.TensorDesc for n in spec.input_names}
-    ann.update({a: ATTRIBUTE_PY_TYPES[t] for a, t in spec.attributes})
-    ann["return"] = (trtp.TensorDesc if len(spec.outputs) == 1
-                     else typing.Tuple[tuple(trtp.TensorDesc for _ in spec.outputs)])
+    ann.update({a.name: ATTRIBUTE_ANNOTATIONS[a.type] for a in spec.contract.attributes})
+    ann["return"] = (trtp.TensorDesc if len(spec.output_names) == 1
+                     else typing.Tuple[tuple(trtp.TensorDesc for _ in spec.output_names)])
     desc.__annotations__ = ann
-    if aot is not None:
-        # aot_impl must declare its return type (tensorrt.plugin refuses it otherwise)
-        aot.__annotations__ = {"return": typing.Tuple[typing.Union[str, bytes], typing.Union[str, bytes],
-                                                      trtp.KernelLaunchParams, trtp.SymExprs]}
+    # aot_impl must declare its return type (tensorrt.plugin refuses it otherwise)
+    aot.__annotations__ = {"return": typing.Tuple[typing.Union[str, bytes], typing.Union[str, bytes],
+                                                  trtp.KernelLaunchParams, trtp.SymExprs]}
 
 
 _REGISTERED: set[str] = set()
 
 
 def register_plugins() -> dict[str, str]:
-    """Register every plugin with tensorrt.plugin (once per process); returns op_type -> "jit" | "jit+aot".
-    Must run before an ONNX graph with our nodes is parsed and before an engine with them is deserialized."""
+    """Register every plugin with tensorrt.plugin (once per process); returns op_type -> "jit+aot" | "jit".
+    Must run before an ONNX graph with our nodes is parsed and before an engine with JIT plugins is deserialized."""
     from k2trt.runtime.trt.environment import import_tensorrt_plugin
 
     _, trtp = import_tensorrt_plugin()
+    has_aot = hasattr(trtp, "aot_impl")  # TensorRT >= 10.9
     modes = {}
     for op_type, spec in plugin_specs().items():
         desc, impl, autotune, aot = PLUGIN_FUNCTIONS[op_type]
-        has_aot = spec.aot and hasattr(trtp, "aot_impl")  # AOT plugins need TensorRT >= 10.10
         modes[op_type] = "jit+aot" if has_aot else "jit"
         if op_type in _REGISTERED:
             continue

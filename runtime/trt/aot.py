@@ -1,0 +1,146 @@
+"""A Triton kernel compiled into what a TensorRT AOT plugin returns: (kernel name, PTX, launch width, shared bytes).
+
+TensorRT's rules for the PTX (tensorrt/plugin/_plugin_class.py _TemplateAOTPlugin, include/impl/NvInferPythonPlugin.h):
+  * it launches the kernel with exactly (input pointers..., extra int32 scalars..., output pointers...), so
+    Triton's hidden scratch parameters (Triton >= 3.3) are stripped, and a kernel that reads them is refused;
+  * shared_mem is "the dynamic shared-memory per thread block"; TensorRT documents no way to raise a kernel's
+    limit above the 48 KiB every CUDA launch gets without cudaFuncSetAttribute (CUDA C++ Programming Guide,
+    "Shared Memory"), so plans shrink until they fit AOT_SHARED_LIMIT;
+  * the PTX is JIT-compiled where the engine is loaded: its `.version` must not exceed the PTX ISA the driver
+    accepts (PTX ISA release notes: CUDA 12.x accepts up to 8.x, 13.0 up to 9.0), chosen by the builder
+    (runtime/trt/environment.max_ptx_version) and set with `configure`;
+  * every entry name is unique (plan digest + a sequence number): one engine holds many plugins' kernels, and
+    nothing in TensorRT's documentation says they live in separate modules.
+Pointers are declared 16-byte divisible (`tt.divisibility`, as triton/tools/compile.py declares them), which lets
+Triton vectorize loads and pipeline them with cp.async; TensorRT requires bound tensors to be 256-byte aligned
+(NvInferRuntime.h, IExecutionContext::setTensorAddress).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import re
+from dataclasses import dataclass
+
+import triton
+
+AOT_SHARED_LIMIT = 48 * 1024
+ENTRY_PREFIX = "k2trt_"
+
+
+@dataclass(frozen=True)
+class Target:
+    arch: int  # compute capability as Triton spells it: 90 for sm_90
+    ptx_version: int | None = None  # PTX ISA as Triton spells it (90 = ".version 9.0"); None: Triton's own choice
+
+
+@dataclass(frozen=True)
+class AotKernel:
+    name: str
+    ptx: str
+    block_x: int
+    shared: int
+
+
+_target: Target | None = None
+_sequence = itertools.count()
+
+
+def configure(target: Target | None) -> None:
+    """The target every AOT kernel of this process compiles for (k2trt build sets it from the GPU and driver)."""
+    global _target
+    _target = target
+
+
+def current_target() -> Target | None:
+    return _target
+
+
+def signature(kernel, pointer_types: dict[str, str], constexprs: dict) -> tuple[dict, dict]:
+    """Triton's (signature, attrs) for a kernel: the named pointers, every other runtime parameter an i32, each
+    pointer 16-byte divisible."""
+    sig, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in pointer_types:
+            sig[name] = "*" + pointer_types[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "i32"
+    missing = set(pointer_types) - set(kernel.arg_names)
+    if missing:
+        raise ValueError(f"{kernel.__name__} has no parameters {sorted(missing)}")
+    return sig, attrs
+
+
+def strip_unused_params(ptx: str, kernel: str, keep: int) -> str:
+    """Drop the entry parameters after the first `keep` if the body never reads them."""
+    head = re.search(r"\.entry\s+" + re.escape(kernel) + r"\s*\(", ptx)
+    if head is None:
+        raise ValueError(f"kernel {kernel!r} not found in the PTX")
+    close = ptx.index(")", head.end())
+    params = [p.strip() for p in ptx[head.end():close].split(",") if p.strip()]
+    if len(params) < keep:
+        raise ValueError(f"kernel {kernel!r} has {len(params)} parameters, expected at least {keep}")
+    body = ptx[close:]
+    for p in params[keep:]:
+        name = p.split()[-1]
+        if re.search(re.escape(name) + r"\b", body):
+            raise ValueError(f"kernel {kernel!r} reads its extra parameter {name}; cannot launch it from TensorRT")
+    inner = ",\n".join("\t" + p for p in params[:keep])
+    return ptx[:head.end()] + "\n" + inner + "\n" + ptx[close:]
+
+
+def rename_entry(ptx: str, old: str, new: str) -> str:
+    """The PTX with its entry (and the entry's parameter names, `<entry>_param_<i>`) called `new`."""
+    renamed = re.sub(r"(?<![\w$.])" + re.escape(old) + r"(?=_param_\d|[^\w$])", new, ptx)
+    if not re.search(r"\.entry\s+" + re.escape(new) + r"\s*\(", renamed):
+        raise ValueError(f"kernel {old!r} not found in the PTX")
+    return renamed
+
+
+def ptx_version_of(ptx: str) -> tuple[int, int]:
+    m = re.search(r"^\s*\.version\s+(\d+)\.(\d+)", ptx, flags=re.MULTILINE)
+    if m is None:
+        raise ValueError("the PTX declares no .version")
+    return int(m.group(1)), int(m.group(2))
+
+
+@functools.lru_cache(maxsize=None)
+def _compile(plan, target: Target | None):
+    """(entry name, PTX, warps, shared bytes) of a plan, parameters stripped; cached per plan and target."""
+    from triton.backends.compiler import GPUTarget
+
+    kernel, constexprs = plan.kernel, plan.constexprs()
+    sig, attrs = signature(kernel, plan.pointer_types(), constexprs)
+    src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+    options = {"num_warps": plan.num_warps, "num_stages": plan.num_stages}
+    if target is not None and target.ptx_version is not None:
+        options["ptx_version"] = target.ptx_version
+    compiled = triton.compile(src, target=None if target is None else GPUTarget("cuda", target.arch, 32),
+                              options=options)
+    md = compiled.metadata
+    if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
+        raise ValueError(f"{plan.label}: the kernel needs Triton scratch memory, which TensorRT cannot provide")
+    runtime_params = sum(1 for v in sig.values() if v != "constexpr")
+    return md.name, strip_unused_params(compiled.asm["ptx"], md.name, runtime_params), md.num_warps, md.shared
+
+
+def compile_plan(plan, target: Target | None = None):
+    """Compile a plan, shrinking it until it fits AOT_SHARED_LIMIT -> (the plan compiled, AotKernel).
+
+    A plan is a frozen dataclass with: label, kernel, pointer_types(), constexprs(), num_warps, num_stages,
+    shrink() (the next smaller config, or None)."""
+    target = target if target is not None else _target
+    first = plan
+    while plan is not None:
+        name, ptx, warps, shared = _compile(plan, target)
+        if shared <= AOT_SHARED_LIMIT:
+            digest = hashlib.sha256(repr((plan, target)).encode()).hexdigest()[:10]
+            unique = f"{ENTRY_PREFIX}{plan.label}_{digest}_{next(_sequence)}"
+            return plan, AotKernel(unique, rename_entry(ptx, name, unique), warps * 32, shared)
+        plan = plan.shrink()
+    raise ValueError(f"{first.label}: no tile config fits in {AOT_SHARED_LIMIT // 1024} KiB of shared memory")

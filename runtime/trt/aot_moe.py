@@ -1,0 +1,142 @@
+"""AOT plans of the four MoE stage plugins (graphs/contracts.MOE_STAGES): which kernel of runtime/kernels/moe.py,
+with which constants, tiles, grid and extra scalars. runtime/trt/aot.py compiles a plan to PTX; the plugin
+functions (runtime/trt/plugins.py) hand the result to TensorRT. The kernels' parameters are already in TensorRT's
+launch order, and the tile rules are moe.py's own, so the AOT plugins and the JIT path run the same code.
+
+Every plan answers grid(num_pairs, num_tokens, minimum) and extra_args(num_pairs, num_tokens) on ints and on
+TensorRT shape expressions alike (minimum: tensorrt.plugin.min for expressions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from k2trt.graphs.fp8 import PER_TOKEN_GROUP, cdiv
+from k2trt.runtime.kernels import moe
+from k2trt.runtime.trt.aot_linear import ACT_TYPES
+
+
+def _ptr(act: str) -> str:
+    if act not in ACT_TYPES:
+        raise ValueError(f"MoE AOT: activation dtype {act!r} is not one of {tuple(ACT_TYPES)}")
+    return ACT_TYPES[act][0]
+
+
+@dataclass(frozen=True)
+class AlignPlan:
+    num_experts: int
+    num_warps: int = moe.ALIGN_WARPS
+    num_stages: int = 1
+
+    kernel = moe._align_kernel
+    label = "moe_align"
+
+    def pointer_types(self) -> dict[str, str]:
+        return {"ids_ptr": "i32", "sorted_ptr": "i32", "off_ptr": "i32"}
+
+    def constexprs(self) -> dict:
+        return moe.align_constexprs(self.num_experts)
+
+    def shrink(self):
+        return None
+
+    def grid(self, num_pairs, num_tokens, minimum=min):
+        return (1, 1)
+
+    def extra_args(self, num_pairs, num_tokens) -> tuple:
+        return (num_pairs,)  # the kernel's n
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """The gate+up (stage "gate_up": out_cols = I, in_cols = d) or the down GEMM ("down": d, I)."""
+    stage: str
+    num_experts: int
+    out_cols: int
+    in_cols: int
+    act: str
+    activation_quant: int
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def kernel(self):
+        return moe._gate_up_kernel if self.stage == "gate_up" else moe._down_kernel
+
+    @property
+    def label(self) -> str:
+        return f"moe_{self.stage}_{self.num_experts}x{self.out_cols}x{self.in_cols}"
+
+    @property
+    def tiles(self) -> moe.GemmTiles:
+        return moe.GemmTiles(self.block_m, self.block_n, self.num_warps, self.num_stages)
+
+    def pointer_types(self) -> dict[str, str]:
+        act = _ptr(self.act)
+        h = "fp8e4nv" if self.activation_quant == PER_TOKEN_GROUP else act
+        ints = {"sorted_ptr": "i32", "off_ptr": "i32"}
+        if self.stage == "gate_up":
+            return {"x_ptr": act, **ints, "gw_ptr": "fp8e4nv", "gs_ptr": "fp32", "uw_ptr": "fp8e4nv",
+                    "us_ptr": "fp32", "h_ptr": h, "hs_ptr": "fp32"}
+        return {"h_ptr": h, "hs_ptr": "fp32", **ints, "w_ptr": "fp8e4nv", "s_ptr": "fp32", "out_ptr": act}
+
+    def constexprs(self) -> dict:
+        return moe.gemm_constexprs(self.num_experts, self.out_cols, self.in_cols, self.tiles,
+                                   self.activation_quant, getattr(torch, self.act))
+
+    def shrink(self):
+        """Fewer stages, then (down only: gate+up tiles are one 128-wide group) narrower N, then fewer rows."""
+        if self.num_stages > 1:
+            return replace(self, num_stages=self.num_stages - 1)
+        if self.stage == "down" and self.block_n > 32:
+            return replace(self, block_n=self.block_n // 2, num_stages=2)
+        if self.block_m > 16:
+            return replace(self, block_m=self.block_m // 2, num_stages=2)
+        return None
+
+    def grid(self, num_pairs, num_tokens, minimum=min):
+        return (moe.gemm_grid(num_pairs, self.num_experts, self.out_cols, self.tiles, minimum), 1)
+
+    def extra_args(self, num_pairs, num_tokens) -> tuple:
+        return (num_tokens, num_pairs) if self.stage == "gate_up" else (num_pairs,)  # (M, n) / (n)
+
+
+@dataclass(frozen=True)
+class CombinePlan:
+    d: int
+    top_k: int
+    act: str
+    num_warps: int = 4
+    num_stages: int = 1
+
+    kernel = moe._combine_kernel
+    label = "moe_combine"
+
+    def pointer_types(self) -> dict[str, str]:
+        return {"o_ptr": _ptr(self.act), "w_ptr": "fp32", "y_ptr": _ptr(self.act)}
+
+    def constexprs(self) -> dict:
+        return moe.combine_constexprs(self.d, self.top_k, getattr(torch, self.act))
+
+    def shrink(self):
+        return None
+
+    def grid(self, num_pairs, num_tokens, minimum=min):
+        return (num_tokens, cdiv(self.d, moe.COMBINE_BLOCK_D))
+
+    def extra_args(self, num_pairs, num_tokens) -> tuple:
+        return ()
+
+
+def gemm_plan(stage: str, num_experts: int, out_cols: int, in_cols: int, act: str, activation_quant: int,
+              tactic: int) -> GemmPlan:
+    if tactic not in moe.GEMM_TACTICS:
+        raise ValueError(f"MoE {stage}: unknown tactic {tactic}; expected one of {sorted(moe.GEMM_TACTICS)}")
+    t = moe.GEMM_TACTICS[tactic]
+    moe.check_gemm(t, gate_up=stage == "gate_up")
+    return GemmPlan(stage, num_experts, out_cols, in_cols, act, activation_quant, t.block_m, t.block_n,
+                    t.num_warps, t.num_stages)
