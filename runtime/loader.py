@@ -32,11 +32,13 @@ class Loaded:
 
 
 def open_model(model_dir: Path):
-    """The checkpoint and its tokenizer, checked against each other."""
+    """The checkpoint (every tensor checked against the config, from the headers) and its tokenizer, checked
+    against each other: a damaged checkpoint is refused before any weight is bound."""
     from k2trt.checkpoint import Checkpoint
     from k2trt.runtime.tokenizer import KimiTokenizer
 
     ckpt = Checkpoint.open(model_dir)
+    ckpt.validate()
     tok = KimiTokenizer.from_dir(model_dir)
     if tok.vocab_size != ckpt.config.vocab_size:
         raise K2Error(f"{model_dir}: tokenizer has {tok.vocab_size} ids but config.json says vocab_size "
