@@ -1,10 +1,13 @@
 """`k2trt chat`: an interactive loop with history, through the same backends as generate.
-Type a message; `/reset` clears the history, `/exit` (or end of input) leaves."""
+Type a message; `/reset` clears the history, `/exit` (or end of input) leaves. A turn that cannot be answered
+(past the context limit, a template that fails) is refused with one line and left out of the history; the
+conversation goes on."""
 
 from __future__ import annotations
 
 import sys
 
+from k2trt.errors import K2Error
 from k2trt.runtime.cli import StreamPrinter, add_sampling_arguments, sampling_from, visible_ids
 from k2trt.runtime.loader import add_model_arguments, load, make_generator
 
@@ -37,8 +40,14 @@ def run(args) -> int:
             continue
         if not line.strip():
             continue
-        history.append({"role": "user", "content": line})
-        prompt = tok.encode_chat(history)
+        turn = history + [{"role": "user", "content": line}]
+        try:
+            prompt = tok.encode_chat(turn)
+            gen.check([prompt], args.max_new_tokens, params)
+        except K2Error as e:
+            print(f"k2trt chat: error: {e} (this message was not sent; /reset starts over)", file=sys.stderr)
+            continue
+        history = turn
         printer = StreamPrinter(tok.stream_decoder(), args.stop)
         sys.stdout.write("k2> ")
         results, timings = gen.generate(

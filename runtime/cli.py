@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 
+from k2trt.args import seed
 from k2trt.errors import K2Error
 from k2trt.runtime.loader import add_model_arguments, load, make_generator
 from k2trt.runtime.sampling import SamplingParams
@@ -17,7 +18,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
@@ -59,8 +60,8 @@ class StreamPrinter:
     """Prints text as tokens arrive, holding back just enough characters that a stop string can be cut
     before any of it reaches the terminal; never splits a UTF-8 character (StreamDecoder)."""
 
-    def __init__(self, decoder, stops: list[str], out=sys.stdout):
-        self.decoder, self.stops, self.out = decoder, stops, out
+    def __init__(self, decoder, stops: list[str], out=None):
+        self.decoder, self.stops, self.out = decoder, stops, out or sys.stdout  # the stdout of now, not of import
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.pending, self.stopped = "", False
 
