@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from k2trt.atomic import atomic_write_bytes
+from k2trt.dirlock import writing
 from k2trt.errors import K2Error
 from k2trt.export.block_graphs import KINDS
 from k2trt.export.manifest import graph_file, read_manifest
@@ -55,20 +56,20 @@ def run(args) -> int:
           f"profiles: prefill T 1..{spec.max_prefill}, decode T 1; B 1..{spec.max_batch}, P 1..{spec.max_seq}")
     builder = Builder(trt, spec, args.timing_cache, args.verbose)
     engines = {}
-    args.out.mkdir(parents=True, exist_ok=True)
-    for i, (kind, graph) in enumerate(graphs.items(), 1):
-        t0 = time.perf_counter()
-        print(f"[{i}/{len(graphs)}] {kind}: building from {graph['file']} ...", flush=True)
-        used = plugin_modes(graph, modes, args.aot_linear)
-        blob = builder.build(kind, args.onnx / graph["file"], graph, aot_linear=args.aot_linear)
-        path = args.out / f"{kind}.engine"
-        atomic_write_bytes(path, blob)
-        engines[kind] = EM.engine_entry(kind, graph, graph_profiles(spec, graph), path.name,
-                                        EM.sha256_file(path), used)
-        print(f"[{i}/{len(graphs)}] {kind}: {len(blob) / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f} s",
-              flush=True)
-    builder.save_timing_cache()
-    EM.write_engine_manifest(args.out, EM.make_engine_manifest(export, spec, env, engines))
+    with writing(args.out, "k2trt build"):  # one build at a time; a killed one's temporaries go
+        for i, (kind, graph) in enumerate(graphs.items(), 1):
+            t0 = time.perf_counter()
+            print(f"[{i}/{len(graphs)}] {kind}: building from {graph['file']} ...", flush=True)
+            used = plugin_modes(graph, modes, args.aot_linear)
+            blob = builder.build(kind, args.onnx / graph["file"], graph, aot_linear=args.aot_linear)
+            path = args.out / f"{kind}.engine"
+            atomic_write_bytes(path, blob)
+            engines[kind] = EM.engine_entry(kind, graph, graph_profiles(spec, graph), path.name,
+                                            EM.sha256_file(path), used)
+            print(f"[{i}/{len(graphs)}] {kind}: {len(blob) / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f} s",
+                  flush=True)
+        builder.save_timing_cache()
+        EM.write_engine_manifest(args.out, EM.make_engine_manifest(export, spec, env, engines))
     print(f"engines and manifest.json written to {args.out}")
     return 0
 
