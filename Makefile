@@ -12,7 +12,7 @@ TORCH   ?= torch==2.13.0
 TORCH_INDEX ?=
 EXTRAS  ?= cpu,dev
 
-.PHONY: install test tiny export generate chat bench bench-stream engines compare gpu-check clean
+.PHONY: install test tiny export generate chat bench bench-stream bench-prefill engines compare gpu-check clean
 
 install: .venv/.installed
 
@@ -46,6 +46,9 @@ bench: export
 
 bench-stream: install
 	$(PY) -m k2trt.tools.stream_bench --gb 4
+
+bench-prefill: export
+	$(PY) -m k2trt.tools.prefill_bench --model $(TINY) --onnx $(ONNX) --tokens 2048 8192
 
 engines: install
 	$(K2TRT) build --onnx $(ONNX) --out $(ENGINES)

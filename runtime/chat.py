@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 
 from k2trt.errors import K2Error
-from k2trt.runtime.cli import StreamPrinter, add_sampling_arguments, sampling_from, visible_ids
+from k2trt.runtime.cli import PrefillProgress, StreamPrinter, add_sampling_arguments, sampling_from, visible_ids
 from k2trt.runtime.loader import add_model_arguments, load, make_generator
 
 
@@ -49,10 +49,17 @@ def run(args) -> int:
             continue
         history = turn
         printer = StreamPrinter(tok.stream_decoder(), args.stop)
-        sys.stdout.write("k2> ")
+        progress = PrefillProgress([prompt], gen.prefill_chunk, "k2trt chat")
+
+        def on_prefill(request) -> None:
+            progress(request)
+            if request.fed == len(request.prompt):  # the reply starts after any progress line
+                sys.stdout.write("k2> ")
+                sys.stdout.flush()
+
         results, timings = gen.generate(
             [prompt], args.max_new_tokens, params,
-            on_token=lambda s, t: printer.feed(t) if t not in gen.stop_ids else None)
+            on_token=lambda s, t: printer.feed(t) if t not in gen.stop_ids else None, on_prefill=on_prefill)
         printer.finish()
         reply = tok.decode(visible_ids(results[0].token_ids, gen.stop_ids))
         history.append({"role": "assistant", "content": reply})

@@ -9,7 +9,7 @@ import sys
 
 from k2trt.args import seed
 from k2trt.errors import K2Error
-from k2trt.runtime.loader import add_model_arguments, load, make_generator
+from k2trt.runtime.loader import add_model_arguments, load, make_generator, progress_line
 from k2trt.runtime.sampling import SamplingParams
 
 
@@ -88,6 +88,26 @@ class StreamPrinter:
         self._write("\n")
 
 
+class PrefillProgress:
+    """on_prefill for the generator: for prompts of more than a few chunks, one line on the terminal, rewritten
+    after each chunk, with the prompt tokens fed so far (all prompts together)."""
+
+    CHUNKS = 4  # prompts up to this many chunks finish too soon to need a line
+
+    def __init__(self, prompts: list[list[int]], chunk: int, prefix: str = "k2trt generate", stream=None):
+        self.total = sum(len(p) for p in prompts)
+        self.fed: dict[int, int] = {}
+        long = max(len(p) for p in prompts) > self.CHUNKS * chunk
+        self.show = progress_line(prefix, "prefill", stream) if long else None
+
+    def __call__(self, request) -> None:
+        if self.show is None:
+            return
+        self.fed[request.id] = request.fed
+        done = sum(self.fed.values())
+        self.show(done, self.total, f"{100 * done // self.total}% of the prompt tokens")
+
+
 def visible_ids(ids: list[int], stop_ids) -> list[int]:
     return ids[:-1] if ids and ids[-1] in stop_ids else ids
 
@@ -122,7 +142,8 @@ def run(args) -> int:
             printer.feed(token)
 
     results, timings = gen.generate(prompts, args.max_new_tokens, params, on_token=on_token,
-                                    stop_check=stops if stops.stops else None)
+                                    stop_check=stops if stops.stops else None,
+                                    on_prefill=PrefillProgress(prompts, gen.prefill_chunk))
     texts = [stops.cut(tok.decode(visible_ids(r.token_ids, gen.stop_ids))) for r in results]
     t = timings.as_dict()
     if args.json:

@@ -46,13 +46,15 @@ def open_model(model_dir: Path):
     return ckpt, tok
 
 
-def progress_line(prefix: str, stream=sys.stderr):
-    """A Backend.prepare progress callback that rewrites one line on a terminal (and says nothing elsewhere)."""
+def progress_line(prefix: str, doing: str = "binding weights", stream=None):
+    """A progress callback show(done, total, what) that rewrites one line on a terminal (and says nothing
+    elsewhere): Backend.prepare's, and the long-prefill line of generate."""
+    stream = stream or sys.stderr
     if not stream.isatty():
         return None
 
     def show(done: int, total: int, what: str) -> None:
-        stream.write(f"\r{prefix}: binding weights {done}/{total} ({what})\033[K" + ("\n" if done == total else ""))
+        stream.write(f"\r{prefix}: {doing} {done:,}/{total:,} ({what})\033[K" + ("\n" if done == total else ""))
         stream.flush()
 
     return show
