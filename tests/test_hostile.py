@@ -150,11 +150,10 @@ FILES = {"config.json": "inspect", INDEX: "inspect", "tiktoken.model": "generate
          "tokenizer_config.json": "generate", "model-00003-of-000007.safetensors": "inspect"}
 
 
-@pytest.mark.parametrize("damage", list(FILE_DAMAGE))
-@pytest.mark.parametrize("name", list(FILES))
+# a shard may be as large as it likes (its header says what it holds): no size limit for it
+@pytest.mark.parametrize("name, damage", [(n, d) for n in FILES for d in FILE_DAMAGE
+                                          if not (d == "a terabyte" and n.endswith(".safetensors"))])
 def test_fifos_devices_and_huge_files_are_refused_at_once(tiny_ckpt, tiny_export, tmp_path, capsys, name, damage):
-    if damage == "a terabyte" and name.endswith(".safetensors"):
-        pytest.skip("a shard may be as large as it likes (its header says what it holds)")
     make, message = FILE_DAMAGE[damage]
     broken = clone(tiny_ckpt, tmp_path / "ckpt")
     make(broken / name)
