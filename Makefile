@@ -15,7 +15,7 @@ EXTRAS  ?= cpu,serve,dev
 PIPELINE ?=
 PIPE    := $(if $(PIPELINE),--pipeline $(PIPELINE))
 
-.PHONY: install test tiny export generate chat bench bench-stream serve bench-serve engines compare gpu-check doctor clean
+.PHONY: install test tiny export generate chat bench bench-stream bench-prefill serve bench-serve engines compare gpu-check doctor clean
 
 install: .venv/.installed
 
@@ -49,6 +49,9 @@ bench: export
 
 bench-stream: install
 	$(PY) -m k2trt.tools.stream_bench --gb 4
+
+bench-prefill: export
+	$(PY) -m k2trt.tools.prefill_bench --model $(TINY) --onnx $(ONNX) --tokens 2048 8192
 
 serve: export
 	$(K2TRT) serve --model $(TINY) --onnx $(ONNX) $(PIPE)

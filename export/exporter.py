@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from k2trt.config import K2Config
+from k2trt.dirlock import writing
 from k2trt.errors import K2Error
 from k2trt.export import manifest as M
 from k2trt.export.block_graphs import KINDS, activation_io, build_block_graph
@@ -41,7 +42,11 @@ def export(cfg: K2Config, out: Path, act_dtype: str = "float32", activation_quan
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise K2Error(f"--out {out} exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
+    with writing(out, "k2trt export"):  # one export at a time into a directory; a killed one's temporaries go
+        return _export(cfg, out, act_dtype, activation_quant, force, log)
+
+
+def _export(cfg: K2Config, out: Path, act_dtype: str, activation_quant: int, force: bool, log) -> dict:
     previous = M.load_if_current(out, cfg, act_dtype, activation_quant)
     graphs: dict[str, dict] = {}
     t_all = time.perf_counter()

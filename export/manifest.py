@@ -12,11 +12,12 @@ import onnx
 
 import k2trt
 from k2trt.atomic import atomic_path
-from k2trt.files import read_json_object, sha256_file, write_json
+from k2trt.files import member, read_json_object, sha256_file, write_json
 from k2trt.config import K2Config
 from k2trt.errors import K2Error
 from k2trt.export.block_graphs import IR_VERSION, KINDS, OPSET
-from k2trt.dtypes import BY_ONNX
+from k2trt.dtypes import BY_ONNX, DTYPES
+from k2trt.schema import ListOf, MapOf, check
 
 FORMAT = "k2trt-export/1"
 
@@ -93,8 +94,17 @@ def write_manifest(out: Path, manifest: dict) -> None:
     write_json(out / "manifest.json", manifest)
 
 
-REQUIRED = ("config_fingerprint", "config", "act_dtype", "activation_quant", "layers", "graphs")
-GRAPH_REQUIRED = ("form", "kind", "file", "sha256", "inputs", "outputs", "weights", "prep")
+# What the runtime and the engine builder read from a manifest; read_manifest checks it all before they do.
+IO_SCHEMA = ListOf({"name": str, "dtype": str, "shape": ListOf((str, int))})
+GRAPH_SCHEMA = {"form": str, "kind": str, "file": str, "sha256": str, "inputs": IO_SCHEMA, "outputs": IO_SCHEMA,
+                "weights": ListOf(str), "prep": MapOf({"op": str, "from": ListOf(str)})}
+SCHEMA = {"config_fingerprint": str, "config": dict, "act_dtype": str, "activation_quant": int,
+          "layers": MapOf(ListOf(int)), "graphs": MapOf(GRAPH_SCHEMA)}
+
+
+class DamagedManifest(K2Error):
+    def __init__(self, message: str):
+        super().__init__(f"{message} (damaged; re-export)")
 
 
 def read_manifest(export_dir: Path) -> dict:
@@ -102,14 +112,16 @@ def read_manifest(export_dir: Path) -> dict:
     m = read_json_object(path, "run `k2trt export` first")
     if m.get("format") != FORMAT:
         raise K2Error(f"{path}: format {m.get('format')!r} is not {FORMAT!r} (re-export with this version)")
-    missing = [k for k in REQUIRED if k not in m]
-    if missing:
-        raise K2Error(f"{path}: missing {', '.join(missing)} (damaged; re-export)")
+    check(m, SCHEMA, str(path), DamagedManifest)
+    if m["act_dtype"] not in DTYPES:
+        raise DamagedManifest(f"{path}: act_dtype {m['act_dtype']!r} is not a dtype")
     for key, entry in m["graphs"].items():
-        gone = [k for k in GRAPH_REQUIRED if k not in entry]
-        if gone:
-            raise K2Error(f"{path}: graph {key} lacks {', '.join(gone)} (damaged; re-export)")
+        graph_path(export_dir, entry, f"{path}: graph {key}")  # a file named there must lie inside the directory
     return m
+
+
+def graph_path(export_dir: Path, entry: dict, where: str = "manifest.json") -> Path:
+    return member(Path(export_dir), entry["file"], where, DamagedManifest)
 
 
 def graph_file(export_dir: Path, manifest: dict, key: str) -> Path:
@@ -117,7 +129,7 @@ def graph_file(export_dir: Path, manifest: dict, key: str) -> Path:
     entry = manifest["graphs"].get(key)
     if entry is None:
         raise K2Error(f"{export_dir}: the manifest has no graph {key} (re-export)")
-    path = Path(export_dir) / entry["file"]
+    path = graph_path(export_dir, entry)
     if not path.exists():
         raise K2Error(f"{path}: missing (re-export)")
     if sha256_file(path) != entry["sha256"]:
@@ -140,7 +152,7 @@ def load_if_current(out: Path, cfg: K2Config, act_dtype: str, activation_quant: 
 def entry_is_current(out: Path, entry: dict | None) -> bool:
     if not entry:
         return False
-    path = out / entry["file"]
+    path = graph_path(out, entry)
     return path.exists() and sha256_file(path) == entry["sha256"]
 
 

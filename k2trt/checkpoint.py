@@ -3,6 +3,10 @@
 Tensors are read lazily: a shard's header is parsed the first time one of its tensors (or the header
 itself) is needed, and its data is memory-mapped only when a tensor is asked for. `block_weights` instead
 copies one layer with plain reads, so streaming all 61 layers keeps only one layer resident.
+
+Every tensor handed out — by `tensor`, `layer`, `globals` or `block_weights` — is first checked against the
+weight table (graphs/weights.py): a tensor the config names must have exactly its shape and dtype, so nothing
+downstream (ONNX Runtime, TensorRT, the reference) ever sees a tensor that `validate` would refuse.
 """
 
 from __future__ import annotations
@@ -13,9 +17,9 @@ from typing import NamedTuple
 import torch
 
 from k2trt.config import K2Config
-from k2trt.dtypes import name_of
-from k2trt.files import read_json_object
-from k2trt.graphs.weights import TensorSpec, assemble_block_weights, checkpoint_specs, layer_prefix
+from k2trt.files import member, read_json_object, regular_file
+from k2trt.graphs.weights import (TensorSpec, assemble_block_weights, checkpoint_specs, global_specs, layer_prefix,
+                                  layer_specs)
 from k2trt.safetensors_io import CheckpointError, SafetensorsFile
 
 __all__ = ["Checkpoint", "CheckpointError", "HeaderSpec", "INDEX_NAME", "SINGLE_NAME"]
@@ -36,6 +40,8 @@ class Checkpoint:
         self.config = config
         self.weight_map = weight_map  # tensor name -> shard file name
         self._shards: dict[str, SafetensorsFile] = {}
+        self._globals = {s.name: s for s in global_specs(config)}
+        self._layer_specs: dict[str, dict[str, TensorSpec]] = {}  # block kind -> suffix -> spec
 
     # ---- opening -------------------------------------------------------------------------------
     @classmethod
@@ -61,10 +67,9 @@ class Checkpoint:
         for name, shard in self.weight_map.items():
             by_shard.setdefault(shard, []).append(name)
         for shard, names in by_shard.items():
-            if not (self.root / shard).is_file():
-                raise CheckpointError(
-                    f"{self.root / shard}: shard file missing ({INDEX_NAME} places {len(names)} tensor(s) there, "
-                    f"e.g. {names[0]})")
+            regular_file(self.root / shard, CheckpointError, missing=(
+                f"{self.root / shard}: shard file missing ({INDEX_NAME} places {len(names)} tensor(s) there, "
+                f"e.g. {names[0]})"))
 
     def shard(self, file_name: str) -> SafetensorsFile:
         f = self._shards.get(file_name)
@@ -97,41 +102,54 @@ class Checkpoint:
                                   f"but the shard's header does not have it")
         return f
 
+    def spec(self, name: str) -> TensorSpec | None:
+        """The weight table's entry for a full tensor name, or None for a name the config does not use."""
+        if name in self._globals:
+            return self._globals[name]
+        parts = name.split(".", 3)
+        if len(parts) < 4 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+            return None
+        layer = int(parts[2])
+        if layer >= self.config.num_hidden_layers:
+            return None
+        kind = self.config.layer_kind(layer)
+        if kind not in self._layer_specs:  # the specs depend only on the block kind
+            self._layer_specs[kind] = {s.name: s for s in layer_specs(self.config, layer)}
+        return self._layer_specs[kind].get(parts[3])
+
+    def _checked(self, name: str) -> SafetensorsFile:
+        """The file holding `name`, after checking its header entry against the weight table."""
+        f = self._file_for(name)
+        spec = self.spec(name)
+        info = f.info(name)
+        if spec is not None and (info.shape != spec.shape or info.dtype_name != spec.dtype):
+            raise CheckpointError(f"{f.path}: tensor {name!r} is {info.dtype_name} {list(info.shape)}, the config "
+                                  f"expects {spec.dtype} {list(spec.shape)}")
+        return f
+
     def tensor(self, name: str) -> torch.Tensor:
-        """Zero-copy, memory-mapped."""
-        return self._file_for(name).tensor(name)
+        """Zero-copy, memory-mapped; checked against the weight table."""
+        return self._checked(name).tensor(name)
 
     def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        """A copy, read without mapping (see SafetensorsFile.read)."""
-        return self._file_for(name).read(name, out)
+        """A copy, read without mapping (see SafetensorsFile.read); checked against the weight table."""
+        return self._checked(name).read(name, out)
 
     def layer(self, i: int) -> dict[str, torch.Tensor]:
-        """Every tensor of layer i, keyed by the suffix after `model.layers.{i}.` (zero-copy)."""
+        """The weight table's tensors of layer i, keyed by the suffix after `model.layers.{i}.` (zero-copy)."""
         prefix = layer_prefix(i)
-        return {name[len(prefix):]: self.tensor(name) for name in self.weight_map if name.startswith(prefix)}
+        return {s.name: self.tensor(prefix + s.name) for s in layer_specs(self.config, i)}
 
     def globals(self, names=None) -> dict[str, torch.Tensor]:
-        """The tensors outside the layers (embeddings, final norm, lm_head), zero-copy; only `names` when given."""
-        wanted = [n for n in self.weight_map if not n.startswith("model.layers.")] if names is None else names
-        return {name: self.tensor(name) for name in wanted}
+        """The tensors outside the layers (embeddings, final norm, lm_head), zero-copy; only `names` when given
+        (a pipeline stage reads only its own files)."""
+        return {name: self.tensor(name) for name in (self._globals if names is None else names)}
 
     def block_weights(self, i: int) -> dict[str, torch.Tensor]:
         """The weight inputs of layer i's block graph, in block_weight_specs order, routed experts stacked
-        to [E, ...]. Copies (one layer at a time, each tensor read straight into its place) and checks each
-        tensor against the config."""
+        to [E, ...]. Copies (one layer at a time, each tensor read straight into its place)."""
         prefix = layer_prefix(i)
-
-        def fill(suffix: str, out: torch.Tensor) -> None:
-            self._check(prefix + suffix, tuple(out.shape), name_of(out.dtype))
-            self.read(prefix + suffix, out)
-
-        return assemble_block_weights(self.config, i, fill)
-
-    def _check(self, name: str, shape: tuple[int, ...], dtype: str) -> None:
-        info = self._file_for(name).info(name)
-        if info.shape != tuple(shape) or info.dtype_name != dtype:
-            raise CheckpointError(f"{self.root / self.weight_map[name]}: tensor {name!r} is {info.dtype_name} "
-                                  f"{list(info.shape)}, the config expects {dtype} {list(shape)}")
+        return assemble_block_weights(self.config, i, lambda suffix, out: self.read(prefix + suffix, out))
 
     # ---- headers and validation -----------------------------------------------------------------
     def header_specs(self) -> dict[str, HeaderSpec]:
@@ -185,6 +203,12 @@ class Checkpoint:
         layer = name.split(".")[2]
         return layer.isdigit() and cfg.num_hidden_layers <= int(layer) < cfg.num_hidden_layers + cfg.num_nextn_predict_layers
 
+    def check_tensors(self, names) -> None:
+        """Check just these tensors' headers against the weight table before any is read (a pipeline stage checks
+        its own: it never opens another stage's files)."""
+        for name in names:
+            self._checked(name)
+
     def validate(self, config: K2Config | None = None) -> None:
         """Raise one CheckpointError unless every expected tensor is present with its exact shape and dtype,
         and nothing else is (headers only: no tensor data is read)."""
@@ -201,6 +225,6 @@ def _read_index(path: Path) -> dict[str, str]:
         raise CheckpointError(f"{path}: expected an object with a non-empty \"weight_map\"")
     for name, shard in wm.items():
         # Shards are plain file names beside the index: nothing may point outside the directory.
-        if not isinstance(shard, str) or not shard or Path(shard).name != shard:
-            raise CheckpointError(f"{path}: tensor {name!r} maps to {shard!r}, which is not a file name")
+        if member(path.parent, shard, f"{path}: tensor {name!r}", CheckpointError).name != shard:
+            raise CheckpointError(f"{path}: tensor {name!r} maps to {shard!r}, which is not a file name beside it")
     return wm

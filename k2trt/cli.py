@@ -1,5 +1,9 @@
 """`k2trt` — one command, with a subcommand per job. Each subcommand lives in its own module, imported only
-when it runs, so `k2trt inspect` never imports TensorRT or ONNX Runtime."""
+when it runs, so `k2trt inspect` never imports TensorRT or ONNX Runtime.
+
+Bad input of any kind ends in one line, `k2trt COMMAND: error: ...`, and exit status 2 — a bad argument too
+(the usage is one `--help` away) — and ^C at any moment, importing included, in `k2trt COMMAND: interrupted`
+and status 130."""
 
 from __future__ import annotations
 
@@ -27,10 +31,17 @@ COMMANDS = {
 }
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, with a bad argument reported as one line (argparse prints the usage first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="k2trt", description=__doc__)
+    parser = ArgumentParser(prog="k2trt", description=__doc__)
     parser.add_argument("--version", action="version", version=f"k2trt {__import__('k2trt').__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=ArgumentParser)
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
@@ -40,24 +51,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    command = argv[0] if argv and argv[0] in COMMANDS else None
+    try:
+        return _main(argv)
+    except SystemExit as e:  # argparse: --help (0) or a bad argument (2), its line already printed
+        return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
+    except KeyboardInterrupt:  # also while a subcommand's heavy imports (torch, ONNX Runtime) are loading
+        print(f"k2trt{' ' + command if command else ''}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     parser = build_parser()
     # Find the subcommand, then let its module declare the arguments.
     known, _ = parser.parse_known_args(argv[:1] if argv and not argv[0].startswith("-") else argv)
     module = importlib.import_module(known._module)
-    full = argparse.ArgumentParser(prog=f"k2trt {known.command}", description=COMMANDS[known.command][1])
+    full = ArgumentParser(prog=f"k2trt {known.command}", description=COMMANDS[known.command][1])
     module.add_arguments(full)
     args = full.parse_args(argv[1:])
     args.argv = argv  # a command that launches pipeline ranks starts them with the same arguments
     try:
         return int(module.run(args) or 0)
     except K2Error as e:
-        return _fail(known.command, str(e))
+        return _fail(known.command, " ".join(str(e).splitlines()))  # one line, whatever the message quotes
     except OSError as e:  # a path the user gave that cannot be read or written
         where = f": {e.filename}" if e.filename else ""
         return _fail(known.command, f"{e.strerror or e}{where}")
-    except KeyboardInterrupt:
-        print(f"k2trt {known.command}: interrupted", file=sys.stderr)
-        return 130
 
 
 def _fail(command: str, message: str) -> int:

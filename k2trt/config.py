@@ -232,6 +232,8 @@ def _parse(raw: dict[str, Any], source: str) -> K2Config:
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise ConfigError(f"{source}: {key} must be a number, got {value!r}")
             kwargs[key] = float(value)
+        elif isinstance(default, str) and not isinstance(value, str):
+            raise ConfigError(f"{source}: {key} must be a string, got {value!r}")
     cfg = K2Config(**kwargs)
     _validate(cfg, source)
     return cfg
@@ -255,11 +257,50 @@ def _parse_rope_scaling(rs, source: str) -> RopeScaling:
     for key, v in values.items():
         if not isinstance(v, (int, float)) or isinstance(v, bool):
             raise ConfigError(f"{source}: rope_scaling.{key} must be a number, got {v!r}")
-    if values["factor"] <= 0 or not float(values["original_max_position_embeddings"]).is_integer():
-        raise ConfigError(f"{source}: rope_scaling needs factor > 0 and an integer original_max_position_embeddings")
-    values["original_max_position_embeddings"] = int(values["original_max_position_embeddings"])
+    omax = values["original_max_position_embeddings"]
+    if not float(omax).is_integer() or not 1 <= omax <= LIMITS["max_position_embeddings"]:
+        raise ConfigError(f"{source}: rope_scaling.original_max_position_embeddings must be an integer in "
+                          f"1..{LIMITS['max_position_embeddings']}, got {omax!r}")
+    values["original_max_position_embeddings"] = int(omax)
+    # YaRN takes logs of the factor and of the betas (modeling_deepseek.py yarn_find_correction_dim) and
+    # divides by the mscale of mscale_all_dim: each must be a finite number in its range.
+    for key, low, strict in (("factor", 0.0, True), ("beta_fast", 0.0, True), ("beta_slow", 0.0, True),
+                             ("mscale", 0.0, False), ("mscale_all_dim", 0.0, False)):
+        _check_number(f"rope_scaling.{key}", values[key], low, strict, source)
     return RopeScaling(type="yarn", **{k: (v if k == "original_max_position_embeddings" else float(v))
                                        for k, v in values.items()})
+
+
+def _check_number(key: str, value: float, low: float, strict: bool, source: str, high: float | None = None) -> None:
+    """A finite number above `low` (strictly, or at least it) and, when given, below `high`."""
+    above = value > low if strict else value >= low
+    if not math.isfinite(value) or not above or (high is not None and not value < high):
+        where = f"{'>' if strict else '>='} {low:g}" + (f" and < {high:g}" if high is not None else "")
+        raise ConfigError(f"{source}: {key} must be a finite number {where}, got {value!r}")
+
+
+# Upper bounds on sizes: far above K2's (in brackets), low enough that no config makes inspect or export walk
+# millions of tensors or allocate without bound.
+LIMITS = {
+    "vocab_size": 1 << 22,  # [163,840]
+    "hidden_size": 1 << 17, "intermediate_size": 1 << 18, "moe_intermediate_size": 1 << 17,  # [7168, 18432, 2048]
+    "q_lora_rank": 1 << 16, "kv_lora_rank": 1 << 16,  # [1536, 512]
+    "qk_nope_head_dim": 4096, "qk_rope_head_dim": 4096, "v_head_dim": 4096,  # [128, 64, 128]
+    "num_attention_heads": 1024, "num_key_value_heads": 1024,  # [64]
+    "num_hidden_layers": 1024, "first_k_dense_replace": 1024, "moe_layer_freq": 1024,  # [61, 1, 1]
+    "n_routed_experts": 8192, "num_experts_per_tok": 8192, "n_shared_experts": 64,  # [384, 8, 1]
+    "n_group": 8192, "topk_group": 8192,  # [1, 1]
+    "max_position_embeddings": 1 << 24,  # [131,072]
+    "num_nextn_predict_layers": 16,  # [0]
+}
+MAX_TENSORS = 1 << 21  # [139,583]: inspect and validation visit every tensor the config names
+
+
+def tensor_count(cfg: K2Config) -> int:
+    """Tensors the config names (graphs/weights.checkpoint_specs; a test keeps the two in step): the three globals,
+    20 per dense layer (2 norms, 12 of attention, 6 of the MLP), 22 + 6 per expert per MoE layer."""
+    moe = cfg.num_moe_layers
+    return 3 + 20 * (cfg.num_hidden_layers - moe) + (22 + 6 * cfg.n_routed_experts) * moe
 
 
 def _validate(cfg: K2Config, source: str) -> None:
@@ -272,6 +313,16 @@ def _validate(cfg: K2Config, source: str) -> None:
                 "max_position_embeddings"):
         if getattr(cfg, key) <= 0:
             raise bad(f"{key} must be positive, got {getattr(cfg, key)}")
+    for key, limit in LIMITS.items():
+        if getattr(cfg, key) > limit:
+            raise bad(f"{key} {getattr(cfg, key):,} is beyond what k2trt accepts ({limit:,})")
+    if cfg.n_shared_experts < 0 or cfg.num_nextn_predict_layers < 0:
+        raise bad("n_shared_experts and num_nextn_predict_layers must be >= 0")
+    # The model divides by sqrt(mean(x^2) + eps), rotates by rope_theta^(-2i/d) (and YaRN takes log(rope_theta)),
+    # and scales the routed experts' sum: NaN, infinity, zero or a negative value makes it compute garbage.
+    _check_number("rms_norm_eps", cfg.rms_norm_eps, 0.0, True, source, high=1.0)
+    _check_number("rope_theta", cfg.rope_theta, 1.0, True, source)
+    _check_number("routed_scaling_factor", cfg.routed_scaling_factor, 0.0, True, source)
     if cfg.num_key_value_heads != cfg.num_attention_heads:
         raise bad(f"num_key_value_heads ({cfg.num_key_value_heads}) must equal num_attention_heads "
                   f"({cfg.num_attention_heads}) for MLA")
@@ -283,6 +334,9 @@ def _validate(cfg: K2Config, source: str) -> None:
         raise bad(f"n_routed_experts ({cfg.n_routed_experts}) is not divisible by n_group ({cfg.n_group})")
     if cfg.topk_group > cfg.n_group:
         raise bad(f"topk_group ({cfg.topk_group}) exceeds n_group ({cfg.n_group})")
+    if cfg.topk_group * (cfg.n_routed_experts // cfg.n_group) < cfg.num_experts_per_tok:
+        raise bad(f"topk_group ({cfg.topk_group}) groups of {cfg.n_routed_experts // cfg.n_group} experts hold fewer "
+                  f"than num_experts_per_tok ({cfg.num_experts_per_tok})")
     if cfg.topk_method != "noaux_tc":
         raise bad(f"topk_method {cfg.topk_method!r} is not supported (only noaux_tc)")
     if cfg.scoring_func != "sigmoid":
@@ -307,6 +361,9 @@ def _validate(cfg: K2Config, source: str) -> None:
                     ("moe_intermediate_size", cfg.moe_intermediate_size)):
         if k % cfg.weight_block_size[1]:
             raise bad(f"{name} ({k}) must be a multiple of {cfg.weight_block_size[1]} (FP8 activation groups)")
+    if tensor_count(cfg) > MAX_TENSORS:
+        raise bad(f"{tensor_count(cfg):,} tensors ({cfg.num_hidden_layers} layers x {cfg.n_routed_experts} experts) "
+                  f"is beyond what k2trt accepts ({MAX_TENSORS:,}; K2 has 139,583)")
 
 
 def kimi_k2() -> K2Config:

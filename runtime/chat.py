@@ -1,11 +1,14 @@
 """`k2trt chat`: an interactive loop with history, through the same backends as generate.
-Type a message; `/reset` clears the history, `/exit` (or end of input) leaves."""
+Type a message; `/reset` clears the history, `/exit` (or end of input) leaves. A turn that cannot be answered
+(past the context limit, a template that fails) is refused with one line and left out of the history; the
+conversation goes on."""
 
 from __future__ import annotations
 
 import sys
 
-from k2trt.runtime.cli import StreamPrinter, add_sampling_arguments, sampling_from, visible_ids
+from k2trt.errors import K2Error
+from k2trt.runtime.cli import PrefillProgress, StreamPrinter, add_sampling_arguments, sampling_from, visible_ids
 from k2trt.runtime.loader import add_model_arguments, load, make_generator
 
 
@@ -37,13 +40,26 @@ def run(args) -> int:
             continue
         if not line.strip():
             continue
-        history.append({"role": "user", "content": line})
-        prompt = tok.encode_chat(history)
+        turn = history + [{"role": "user", "content": line}]
+        try:
+            prompt = tok.encode_chat(turn)
+            gen.check([prompt], args.max_new_tokens, params)
+        except K2Error as e:
+            print(f"k2trt chat: error: {e} (this message was not sent; /reset starts over)", file=sys.stderr)
+            continue
+        history = turn
         printer = StreamPrinter(tok.stream_decoder(), args.stop)
-        sys.stdout.write("k2> ")
+        progress = PrefillProgress([prompt], gen.prefill_chunk, "k2trt chat")
+
+        def on_prefill(request) -> None:
+            progress(request)
+            if request.fed == len(request.prompt):  # the reply starts after any progress line
+                sys.stdout.write("k2> ")
+                sys.stdout.flush()
+
         results, timings = gen.generate(
             [prompt], args.max_new_tokens, params,
-            on_token=lambda s, t: printer.feed(t) if t not in gen.stop_ids else None)
+            on_token=lambda s, t: printer.feed(t) if t not in gen.stop_ids else None, on_prefill=on_prefill)
         printer.finish()
         reply = tok.decode(visible_ids(results[0].token_ids, gen.stop_ids))
         history.append({"role": "assistant", "content": reply})

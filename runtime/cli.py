@@ -7,8 +7,9 @@ import argparse
 import json
 import sys
 
+from k2trt.args import seed
 from k2trt.errors import K2Error
-from k2trt.runtime.loader import add_model_arguments, launch_if_asked, load, make_generator
+from k2trt.runtime.loader import add_model_arguments, launch_if_asked, load, make_generator, progress_line
 from k2trt.runtime.sampling import SamplingParams
 
 
@@ -17,7 +18,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID",
                    help="also stop at this token id (repeatable), besides [EOS] and <|im_end|>")
@@ -61,8 +62,8 @@ class StreamPrinter:
     """Prints text as tokens arrive, holding back just enough characters that a stop string can be cut
     before any of it reaches the terminal; never splits a UTF-8 character (StreamDecoder)."""
 
-    def __init__(self, decoder, stops: list[str], out=sys.stdout):
-        self.decoder, self.stops, self.out = decoder, stops, out
+    def __init__(self, decoder, stops: list[str], out=None):
+        self.decoder, self.stops, self.out = decoder, stops, out or sys.stdout  # the stdout of now, not of import
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.pending, self.stopped = "", False
 
@@ -87,6 +88,26 @@ class StreamPrinter:
         if not self.stopped:
             self._write(self.pending + self.decoder.flush())
         self._write("\n")
+
+
+class PrefillProgress:
+    """on_prefill for the generator: for prompts of more than a few chunks, one line on the terminal, rewritten
+    after each chunk, with the prompt tokens fed so far (all prompts together)."""
+
+    CHUNKS = 4  # prompts up to this many chunks finish too soon to need a line
+
+    def __init__(self, prompts: list[list[int]], chunk: int, prefix: str = "k2trt generate", stream=None):
+        self.total = sum(len(p) for p in prompts)
+        self.fed: dict[int, int] = {}
+        long = max(len(p) for p in prompts) > self.CHUNKS * chunk
+        self.show = progress_line(prefix, "prefill", stream) if long else None
+
+    def __call__(self, request) -> None:
+        if self.show is None:
+            return
+        self.fed[request.id] = request.fed
+        done = sum(self.fed.values())
+        self.show(done, self.total, f"{100 * done // self.total}% of the prompt tokens")
 
 
 def visible_ids(ids: list[int], stop_ids) -> list[int]:
@@ -129,7 +150,8 @@ def run(args) -> int:
             printer.feed(token)
 
     results, timings = gen.generate(prompts, args.max_new_tokens, params, on_token=on_token,
-                                    stop_check=stops if stops.stops else None)
+                                    stop_check=stops if stops.stops else None,
+                                    on_prefill=PrefillProgress(prompts, gen.prefill_chunk))
     loaded.close()
     texts = [stops.cut(tok.decode(visible_ids(r.token_ids, gen.stop_ids))) for r in results]
     t = timings.as_dict()

@@ -64,6 +64,10 @@ class Generator:
             reqs.append(req)
         return reqs
 
+    def check(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams = SamplingParams()) -> None:
+        """Raise the K2Error generate would raise for these requests, without doing any work."""
+        self.requests(prompts, max_new_tokens, sampling, None, None, None)
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                  on_token: Callable[[int, int], None] | None = None,

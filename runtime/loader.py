@@ -61,12 +61,16 @@ class Loaded:
         return stats
 
 
-def open_model(model_dir: Path):
-    """The checkpoint and its tokenizer, checked against each other."""
+def open_model(model_dir: Path, validate: bool = True):
+    """The checkpoint (every tensor checked against the config, from the headers) and its tokenizer, checked
+    against each other: a damaged checkpoint is refused before any weight is bound. A pipeline rank passes
+    validate=False and checks only its own stage's tensors (runtime/distributed/session.py)."""
     from k2trt.checkpoint import Checkpoint
     from k2trt.runtime.tokenizer import KimiTokenizer
 
     ckpt = Checkpoint.open(model_dir)
+    if validate:
+        ckpt.validate()
     tok = KimiTokenizer.from_dir(model_dir)
     if tok.vocab_size != ckpt.config.vocab_size:
         raise K2Error(f"{model_dir}: tokenizer has {tok.vocab_size} ids but config.json says vocab_size "
@@ -74,13 +78,15 @@ def open_model(model_dir: Path):
     return ckpt, tok
 
 
-def progress_line(prefix: str, stream=sys.stderr):
-    """A Backend.prepare progress callback that rewrites one line on a terminal (and says nothing elsewhere)."""
+def progress_line(prefix: str, doing: str = "binding weights", stream=None):
+    """A progress callback show(done, total, what) that rewrites one line on a terminal (and says nothing
+    elsewhere): Backend.prepare's, and the long-prefill line of generate."""
+    stream = stream or sys.stderr
     if not stream.isatty():
         return None
 
     def show(done: int, total: int, what: str) -> None:
-        stream.write(f"\r{prefix}: binding weights {done}/{total} ({what})\033[K" + ("\n" if done == total else ""))
+        stream.write(f"\r{prefix}: {doing} {done:,}/{total:,} ({what})\033[K" + ("\n" if done == total else ""))
         stream.flush()
 
     return show
@@ -90,7 +96,7 @@ def load(args, choice: BackendChoice | None = None, command: str = "generate") -
     from k2trt.runtime.distributed.world import DEFAULT_TIMEOUT_S, launched
 
     choice = choice or choice_from_args(args)
-    ckpt, tok = open_model(args.model)
+    ckpt, tok = open_model(args.model, validate=not launched())
     if launched():
         from k2trt.runtime.distributed.placement import parse_counts
         from k2trt.runtime.distributed.session import load_rank

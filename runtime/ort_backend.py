@@ -16,7 +16,7 @@ from onnx import TensorProto
 
 from k2trt.dtypes import torch_dtype
 from k2trt.errors import K2Error, MissingDependency
-from k2trt.export.manifest import check_matches, graph_file, read_manifest
+from k2trt.export.manifest import check_matches, graph_file, graph_path, read_manifest
 from k2trt.graphs.fp8 import WEIGHT_DEQUANT
 from k2trt.runtime.backend import BackendLimits, Progress, WeightSource, prepare_order
 from k2trt.runtime.graph_weights import graph_weights, source_names
@@ -137,7 +137,7 @@ class OrtBackend:
                 progress(i, len(order), f"layer {item}" if isinstance(item, int) else item)
 
     def standalone_onnx(self, kind: str, layer: int | None) -> onnx.ModelProto:
-        model = onnx.load(str(self.export_dir / self.entries[kind]["file"]))
+        model = onnx.load(str(graph_path(self.export_dir, self.entries[kind])))
         return bind_weights(model, self._prepared_weights(kind, layer))
 
     def session_seconds(self) -> float:

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from k2trt.args import MAX_SEED
 from k2trt.errors import K2Error
-
-MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit value
 
 
 @dataclass(frozen=True)

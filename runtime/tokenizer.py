@@ -10,13 +10,18 @@ from __future__ import annotations
 import base64
 import binascii
 import codecs
-import json
+import functools
+import os
+import re
 from pathlib import Path
 from typing import Any, Iterable
 
 import tiktoken
 
 from k2trt.errors import K2Error
+from k2trt.files import read_bounded, read_json_object, read_text
+from k2trt.runtime.chat_template import ChatTemplate
+from k2trt.runtime.messages import encode_messages
 
 NUM_RESERVED_SPECIAL = 256
 
@@ -38,6 +43,7 @@ KIMI_PAT_STR = "|".join([
 RANKS_FILE = "tiktoken.model"
 CONFIG_FILE = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"  # newer HF checkpoints keep the template here instead
+MAX_TEMPLATE_BYTES = 1 << 20  # K2's template is 4 KB
 
 
 def reserved_name(token_id: int) -> str:
@@ -47,12 +53,7 @@ def reserved_name(token_id: int) -> str:
 
 def load_ranks(path: Path) -> dict[bytes, int]:
     """Parse tiktoken.model; ranks must be exactly 0..n-1 so the special ids can follow them."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise K2Error(f"tokenizer file missing: {path}") from None
-    except OSError as e:
-        raise K2Error(f"cannot read tokenizer file {path}: {e.strerror}") from None
+    data = read_bounded(path, missing=f"tokenizer file missing: {path}")
     ranks: dict[bytes, int] = {}
     seen_ranks: set[int] = set()
     for lineno, line in enumerate(data.splitlines(), 1):
@@ -75,18 +76,6 @@ def load_ranks(path: Path) -> dict[bytes, int]:
     if max(seen_ranks) != len(ranks) - 1:
         raise K2Error(f"{path}: ranks are not contiguous 0..{len(ranks) - 1} (largest is {max(seen_ranks)})")
     return ranks
-
-
-def _load_json(path: Path) -> dict:
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise K2Error(f"tokenizer file missing: {path}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise K2Error(f"{path}: invalid JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise K2Error(f"{path}: expected a JSON object at top level")
-    return obj
 
 
 def _token_content(entry: Any) -> str | None:
@@ -122,35 +111,28 @@ def _special_names(config: dict, num_base: int, path: Path) -> dict[str, int]:
     return specials
 
 
-def _chat_template(config: dict, model_dir: Path) -> str | None:
+def _template_source(config: dict, model_dir: Path) -> tuple[str, Path | str] | None:
+    """Where the chat template is, read only when a chat is encoded (a broken template never stops a plain
+    prompt): ("file", path) when chat_template.jinja exists (whatever it is: a FIFO there is refused, not skipped),
+    else ("text", the template in tokenizer_config.json)."""
     template_file = model_dir / TEMPLATE_FILE
-    if template_file.is_file():
-        return template_file.read_text(encoding="utf-8")
+    if os.path.lexists(template_file):
+        return "file", template_file
     template = config.get("chat_template")
     if isinstance(template, list):  # HF's named-template form: [{"name": ..., "template": ...}]
         by_name = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = by_name.get("default")
-    return template if isinstance(template, str) else None
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    # Templates written for HF call tojson with json.dumps' keywords, which jinja's own filter lacks.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _raise_exception(message: str) -> None:
-    raise K2Error(f"chat template: {message}")
+    return ("text", template) if isinstance(template, str) else None
 
 
 class KimiTokenizer:
     def __init__(self, encoding: tiktoken.Encoding, num_base_tokens: int, specials: dict[str, int],
-                 chat_template: str | None, special_map: dict[str, str], source: Path):
+                 chat_template: tuple[str, Path | str] | None, special_map: dict[str, str], source: Path):
         self._enc = encoding
         self.num_base_tokens = num_base_tokens
         self._specials = specials
-        self._chat_template = chat_template
-        self._compiled_template = None
+        self._template_source = chat_template
+        self._compiled_template: ChatTemplate | None = None
         self._special_map = special_map  # bos_token etc., passed to the template as HF does
         self.source = source
         self.bos_id = self.token_to_id(special_map["bos_token"])
@@ -167,7 +149,7 @@ class KimiTokenizer:
             raise K2Error(f"tokenizer directory missing: {model_dir}")
         ranks = load_ranks(model_dir / RANKS_FILE)
         config_path = model_dir / CONFIG_FILE
-        config = _load_json(config_path)
+        config = read_json_object(config_path, "a Kimi tokenizer names its special tokens there")
         num_base = len(ranks)
         specials = _special_names(config, num_base, config_path)
         special_map = {}
@@ -176,7 +158,7 @@ class KimiTokenizer:
             special_map[key] = _token_content(config.get(key)) or default
         encoding = tiktoken.Encoding(model_dir.resolve().name or "kimi", pat_str=KIMI_PAT_STR,
                                      mergeable_ranks=ranks, special_tokens=specials)
-        return cls(encoding, num_base, specials, _chat_template(config, model_dir), special_map, model_dir)
+        return cls(encoding, num_base, specials, _template_source(config, model_dir), special_map, model_dir)
 
     @property
     def vocab_size(self) -> int:
@@ -212,37 +194,31 @@ class KimiTokenizer:
             raise K2Error(f"token id {bad[0] if bad else '?'} is outside the vocabulary "
                           f"(size {self.vocab_size})") from None
 
-    def _template(self):
+    def _template(self) -> ChatTemplate:
         if self._compiled_template is None:
-            if self._chat_template is None:
+            if self._template_source is None:
                 raise K2Error(f"tokenizer {self.source}: no chat_template in {CONFIG_FILE} or {TEMPLATE_FILE}")
-            import jinja2
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            # The same environment settings HF uses, so templates written for it render identically.
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=["jinja2.ext.loopcontrols"])
-            env.filters["tojson"] = _tojson
-            env.globals["raise_exception"] = _raise_exception
-            try:
-                self._compiled_template = env.from_string(self._chat_template)
-            except jinja2.TemplateError as e:
-                raise K2Error(f"tokenizer {self.source}: bad chat template: {e}") from None
+            kind, value = self._template_source
+            if kind == "file":
+                self._compiled_template = ChatTemplate(read_text(value, MAX_TEMPLATE_BYTES), str(value))
+            else:
+                self._compiled_template = ChatTemplate(value, f"{self.source / CONFIG_FILE}: chat_template")
         return self._compiled_template
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        import jinja2
+        """The template's text for these messages, rendered within its limits (runtime/chat_template.py)."""
+        return self._template().render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                       **self._special_map, **kwargs)
 
-        try:
-            return self._template().render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                           **self._special_map, **kwargs)
-        except jinja2.TemplateError as e:
-            raise K2Error(f"chat template failed: {e}") from None
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+        """Token ids of OpenAI-style messages: the template's markers are special ids, message text is always
+        text, whatever it spells (runtime/messages.py)."""
+        return encode_messages(self, messages, add_generation_prompt, **kwargs)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        # Specials are allowed here so the template's markers become their ids (as HF does; message text
-        # that spells a marker becomes that marker too).
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), allow_special=True)
+    @functools.cached_property
+    def special_pattern(self) -> re.Pattern:
+        """Any special token's spelling, longest first (so a name that extends another wins)."""
+        return re.compile("|".join(re.escape(n) for n in sorted(self._specials, key=len, reverse=True)))
 
     def stream_decoder(self) -> "StreamDecoder":
         return StreamDecoder(self)

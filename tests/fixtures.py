@@ -45,3 +45,30 @@ def rewrite_header(path: Path, edit: Callable[[dict], None]) -> None:
     new = json.dumps(header).encode()
     new += b" " * (-len(new) % 8)
     path.write_bytes(struct.pack("<Q", len(new)) + new + blob[8 + n:])
+
+
+def rewrite_tensors(ckpt: Path, shard: str, edit: Callable[[dict], None]) -> None:
+    """Rewrite one shard of a clone (which must hold real copies of the shard and the index) with `edit`
+    applied to its tensors, and make the index follow (removed names dropped, new names placed there)."""
+    from k2trt.safetensors_io import load_file, save_file
+
+    tensors = {k: v.clone() for k, v in load_file(ckpt / shard).items()}
+    edit(tensors)
+    (ckpt / shard).unlink()
+    save_file(tensors, ckpt / shard)
+    index_path = ckpt / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    wm = {k: v for k, v in index["weight_map"].items() if v != shard or k in tensors}
+    wm.update({k: shard for k in tensors})
+    index["weight_map"] = wm
+    index_path.write_text(json.dumps(index))
+
+
+def one_error_line(rc: int, err: str, command: str) -> str:
+    """Assert the CLI's promise for bad input: a non-zero exit, one `k2trt COMMAND: error:` line on stderr and
+    nothing else there (no traceback); returns the line."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2, (rc, err)
+    assert "Traceback" not in err, err
+    assert len(lines) == 1 and lines[0].startswith(f"k2trt {command}: error: "), err
+    return lines[0]

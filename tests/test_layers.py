@@ -14,7 +14,8 @@ FOLDERS = {"k2trt": "k2trt", "k2trt.graphs": "graphs", "k2trt.export": "export",
 
 # (layer, module prefixes), lowest first. A module belongs to the layer of its longest matching prefix.
 LAYERS = [
-    ("base", ["k2trt", "k2trt.errors", "k2trt.files", "k2trt.atomic", "k2trt.dtypes"]),
+    ("base", ["k2trt", "k2trt.errors", "k2trt.files", "k2trt.atomic", "k2trt.dtypes", "k2trt.schema", "k2trt.args",
+              "k2trt.dirlock"]),
     ("config", ["k2trt.config"]),
     ("graphs", ["k2trt.graphs"]),
     ("checkpoint", ["k2trt.safetensors_io", "k2trt.checkpoint", "k2trt.checkpoint_writer"]),

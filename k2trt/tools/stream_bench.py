@@ -24,16 +24,20 @@ from k2trt.checkpoint_writer import ordered_specs, spec_bytes, write_checkpoint
 
 MB = 1 << 20
 
+def proc_status(field: str) -> int:
+    """A memory figure of this process from /proc/self/status, in bytes (VmRSS, VmHWM: the peak RSS)."""
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
 CHILD = textwrap.dedent("""
     import json, sys
     import numpy as np
     import torch
     from k2trt.checkpoint import Checkpoint
-
-    def status(field):
-        for line in open("/proc/self/status"):
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
+    from k2trt.tools.stream_bench import proc_status as status
 
     ckpt = Checkpoint.open(sys.argv[1])
     ckpt.validate()

@@ -103,7 +103,8 @@ class RandomWeights:
         self.seed = seed
 
     def _gen(self, salt: int) -> torch.Generator:
-        return torch.Generator().manual_seed(self.seed * 1_000_003 + salt)
+        # one stream per (seed, salt), reduced to the 64 bits manual_seed takes (small seeds are unchanged)
+        return torch.Generator().manual_seed((self.seed * 1_000_003 + salt) % 2**64)
 
     def layer(self, layer: int) -> dict[str, torch.Tensor]:
         return dict(layer_tensors(self.config, layer, self._gen(layer + 1)))

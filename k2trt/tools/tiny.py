@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
 import shutil
 from pathlib import Path
 
+from k2trt.args import seed
+from k2trt.atomic import remove_temporaries, temporary_name
 from k2trt.checkpoint_writer import write_checkpoint
+from k2trt.dirlock import writer_lock
 from k2trt.config import K2Config
 from k2trt.errors import K2Error
 from k2trt.tools.synthetic import synthetic_tensors
@@ -26,24 +28,27 @@ DEFAULT_SHARDS = 7
 def make_tiny(out_dir: str | Path, seed: int = 0, config: K2Config | None = None, *, force: bool = False,
               n_shards: int = DEFAULT_SHARDS) -> Path:
     """Write the tiny checkpoint (and tokenizer) to out_dir. It is built in a hidden sibling directory
-    and renamed into place at the end, so an interrupted run leaves nothing half-written."""
+    and renamed into place at the end, so an interrupted run leaves nothing half-written; the parent directory's
+    writer lock keeps two runs apart, and what a killed run left beside out_dir is removed first."""
     from k2trt.tools.tiny_tokenizer import write_tiny_tokenizer
 
     cfg = config or K2Config.preset("tiny")
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise K2Error(f"{out}: exists and is not empty (use --force to replace it)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.{secrets.token_hex(4)}.tmp"
-    tmp.mkdir()
-    try:
-        write_checkpoint(tmp, cfg, synthetic_tensors(cfg, seed), n_shards)
-        write_tiny_tokenizer(tmp, num_base_tokens=cfg.vocab_size - 256)
-        _plain_permissions(tmp)
-        _replace_dir(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+    with writer_lock(out.parent, "k2trt make-tiny"):
+        remove_temporaries(out.parent, target=out.name)
+        if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+            raise K2Error(f"{out}: exists and is not empty (use --force to replace it)")
+        tmp = temporary_name(out)
+        tmp.mkdir()
+        try:
+            write_checkpoint(tmp, cfg, synthetic_tensors(cfg, seed), n_shards)
+            write_tiny_tokenizer(tmp, num_base_tokens=cfg.vocab_size - 256)
+            _plain_permissions(tmp)
+            _replace_dir(tmp, out)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp)
     return out
 
 
@@ -62,7 +67,7 @@ def _replace_dir(new: Path, target: Path) -> None:
         os.rename(new, target)
         return
     # --force: move the old one aside first, so a crash leaves either the old or the new in place.
-    old = target.parent / f".{target.name}.{secrets.token_hex(4)}.old"
+    old = temporary_name(target, "old")
     os.rename(target, old)
     os.rename(new, target)
     if old.is_dir():
@@ -73,7 +78,7 @@ def _replace_dir(new: Path, target: Path) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", metavar="DIR", type=Path, help="output directory (created; must be empty)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--seed", type=seed, default=0, help="random seed (default 0)")
     parser.add_argument("--force", action="store_true", help="replace DIR if it exists and is not empty")
 
 

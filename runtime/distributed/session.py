@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from k2trt.graphs.weights import checkpoint_specs
+from k2trt.graphs.weights import checkpoint_specs, global_specs, layer_prefix, layer_specs
 from k2trt.runtime.backends import BackendChoice, open_backend
 from k2trt.runtime.distributed import placement as P
 from k2trt.runtime.distributed.pipeline import PipelineExecutor, follow
@@ -50,6 +50,15 @@ def stage_split(cfg, size: int, counts: list[int] | None) -> P.Plan:
     return P.plan_stages(P.items_from_config(cfg, 0), size, UNLIMITED, 0, counts)
 
 
+def stage_tensors(cfg, stage: P.Stage) -> list[str]:
+    """The full names of the checkpoint tensors a stage binds."""
+    embed, norm, head = global_specs(cfg)
+    names = [embed.name] if stage.first else []
+    for layer in stage.layers:
+        names += [layer_prefix(layer) + s.name for s in layer_specs(cfg, layer)]
+    return names + ([norm.name, head.name] if stage.last else [])
+
+
 def cpu_threads(world_size_here: int) -> int:
     """Threads per rank when several ranks share this machine's cores."""
     return max(1, (os.cpu_count() or 1) // max(1, world_size_here))
@@ -85,6 +94,7 @@ def load_rank(ckpt, choice: BackendChoice, counts: list[int] | None, timeout_s: 
     cfg = ckpt.config
     plan = stage_split(cfg, world.size, counts)
     stage = plan.stages[world.rank]
+    ckpt.check_tensors(stage_tensors(cfg, stage))  # this stage's files only, before any weight is bound
     if choice.name != "trt":  # ranks on one machine share its cores
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world.size))
         torch.set_num_threads(cpu_threads(local_world))

@@ -287,10 +287,11 @@ def _check_model(name: str, config: ServeConfig) -> None:
 
 
 def chat_prompt(tokenizer, messages: list[P.ChatMessage]) -> list[int]:
-    """The conversation through the checkpoint's chat template; message contents stay text."""
+    """The conversation through the checkpoint's chat template (runtime/messages.py: message contents stay text,
+    only the template's markers are special tokens). OpenAI's "developer" role is its system role."""
     try:
-        return tokenizer.encode_chat([{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                                      for m in messages])
+        return tokenizer.encode_chat([{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+                                       **({"name": m.name} if m.name else {})} for m in messages])
     except K2Error as e:
         raise P.APIError(400, str(e), param="messages") from None
 

@@ -19,7 +19,6 @@ from k2trt.runtime.sampling import MAX_SEED
 MAX_N = 16
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1000  # each: stop strings are searched at every token
-ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
 class APIError(Exception):
@@ -100,7 +99,7 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    role: Literal["system", "user", "assistant", "developer"]  # no tools: a "tool" message is refused
     content: str | list[TextPart] | None = None
     name: str | None = None
 

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from k2trt.atomic import atomic_write_bytes
+from k2trt.dirlock import writing
 from k2trt.errors import K2Error
 from k2trt.export.block_graphs import KINDS
 from k2trt.export.manifest import graph_file, read_manifest
@@ -80,22 +81,24 @@ def build_engines(onnx_dir: Path, out: Path, spec: ProfileSpec, kinds=KINDS, plu
     builder = Builder(trt, spec, timing_cache, verbose, logger)
     engines = {}
     out.mkdir(parents=True, exist_ok=True)
-    t_all = time.perf_counter()
-    for i, (kind, graph) in enumerate(graphs.items(), 1):
-        t0 = time.perf_counter()
-        label = f"[{i}/{len(graphs)}] {kind}"
-        log(f"{label}: building from {graph['file']} ...")
-        model, used = with_aot_attribute(onnx_dir / graph["file"], aot)
-        blob = builder.build(kind, model, graph, BuildProgress(label, log))
-        path = out / f"{kind}.engine"
-        atomic_write_bytes(path, blob)
-        engines[kind] = EM.engine_entry(kind, graph, graph_profiles(spec, graph), path.name,
-                                        EM.sha256_file(path), used)
-        log(f"{label}: {len(blob) / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f} s")
-    builder.save_timing_cache()
-    manifest = EM.make_engine_manifest(export, spec, env, engines, None if target is None else target.ptx_version)
-    EM.write_engine_manifest(out, manifest)
-    log(f"engines and manifest.json written to {out} ({time.perf_counter() - t_all:.1f} s)")
+    with writing(out, "k2trt build"):  # one build at a time; a killed one's temporaries go
+        t_all = time.perf_counter()
+        for i, (kind, graph) in enumerate(graphs.items(), 1):
+            t0 = time.perf_counter()
+            label = f"[{i}/{len(graphs)}] {kind}"
+            log(f"{label}: building from {graph['file']} ...")
+            model, used = with_aot_attribute(onnx_dir / graph["file"], aot)
+            blob = builder.build(kind, model, graph, BuildProgress(label, log))
+            path = out / f"{kind}.engine"
+            atomic_write_bytes(path, blob)
+            engines[kind] = EM.engine_entry(kind, graph, graph_profiles(spec, graph), path.name,
+                                            EM.sha256_file(path), used)
+            log(f"{label}: {len(blob) / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f} s")
+        builder.save_timing_cache()
+        ptx = None if target is None else target.ptx_version
+        manifest = EM.make_engine_manifest(export, spec, env, engines, ptx)
+        EM.write_engine_manifest(out, manifest)
+        log(f"engines and manifest.json written to {out} ({time.perf_counter() - t_all:.1f} s)")
     return manifest
 
 

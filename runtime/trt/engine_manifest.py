@@ -11,8 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import k2trt
-from k2trt.files import read_json_object, sha256_file, write_json
+from k2trt.files import member, read_json_object, sha256_file, write_json
 from k2trt.errors import K2Error
+from k2trt.export.manifest import IO_SCHEMA
+from k2trt.schema import ListOf, MapOf, check
 from k2trt.runtime.trt.environment import current_environment, max_ptx_for_cuda
 from k2trt.runtime.trt.profiles import Profile, ProfileSpec
 
@@ -68,11 +70,26 @@ def write_engine_manifest(engine_dir: Path, manifest: dict) -> None:
 
 # ---- loading ---------------------------------------------------------------------------------------------
 
+ENGINE_SCHEMA = {"kind": str, "file": str, "sha256": str, "source": str, "source_sha256": str, "profiles": ListOf(dict),
+                 "inputs": IO_SCHEMA, "outputs": IO_SCHEMA, "weights": ListOf(str), "plugins": MapOf(str)}
+SCHEMA = {"tensorrt_version": str, "gpu": {"name": str, "compute_capability": str}, "config_fingerprint": str,
+          "act_dtype": str, "activation_quant": (int, type(None)), "layers": MapOf(ListOf(int)),
+          "profile_spec": dict, "engines": MapOf(ENGINE_SCHEMA)}
+
+
+class DamagedEngineManifest(K2Error):
+    def __init__(self, message: str):
+        super().__init__(f"{message} (damaged; rebuild with `k2trt build`)")
+
+
 def read_engine_manifest(engine_dir: Path) -> dict:
     path = Path(engine_dir) / "manifest.json"
     m = read_json_object(path, "build the engines with `k2trt build`")
     if m.get("format") != FORMAT:
         raise K2Error(f"{path}: format {m.get('format')!r} is not {FORMAT!r} (rebuild with this version)")
+    check(m, SCHEMA, str(path), DamagedEngineManifest)
+    for kind, entry in m["engines"].items():
+        member(Path(engine_dir), entry["file"], f"{path}: engine {kind}", DamagedEngineManifest)
     return m
 
 
@@ -120,7 +137,7 @@ def check_export(manifest: dict, export_manifest: dict, where: str) -> None:
 
 def check_engine_files(manifest: dict, engine_dir: Path) -> None:
     for kind, entry in manifest["engines"].items():
-        path = Path(engine_dir) / entry["file"]
+        path = member(Path(engine_dir), entry["file"], f"{engine_dir}/manifest.json", DamagedEngineManifest)
         if not path.exists():
             raise K2Error(f"{engine_dir}: {entry['file']} is missing (rebuild with `k2trt build`)")
         if sha256_file(path) != entry["sha256"]:
