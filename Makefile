@@ -10,7 +10,8 @@ DTYPE   ?= float32
 # Where pip would otherwise pick a CUDA build, set TORCH_INDEX to PyTorch's CPU wheel index.
 TORCH   ?= torch==2.13.0
 TORCH_INDEX ?=
-EXTRAS  ?= cpu,dev
+# bench: transformers, the second baseline of `make bench` (and its tests)
+EXTRAS  ?= cpu,dev,bench
 
 .PHONY: install test tiny export generate chat bench bench-stream engines compare gpu-check clean
 

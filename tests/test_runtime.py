@@ -188,15 +188,6 @@ def test_chat_keeps_history_and_resets(tiny_ckpt, tiny_export, capsys, monkeypat
     assert seen[0].startswith("<|im_system|>system<|im_middle|>You are a helpful assistant<|im_end|>")
 
 
-def test_bench_prints_both_backends_and_their_ratio(tiny_ckpt, tiny_export, capsys):
-    rc = main(["bench", "--model", str(tiny_ckpt), "--onnx", str(tiny_export), "--prompt-len", "8",
-               "--new-tokens", "3", "--repeat", "1", "--json"])
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert rc == 0 and set(out["rows"]) == {"torch reference", "onnxruntime"}
-    assert set(out["ratio_runtime_over_reference"]) == {"prefill_tokens_per_s", "decode_tokens_per_s"}
-    assert all(r["decode_tokens_per_s"] > 0 and r["host_ms_per_step"] >= 0 for r in out["rows"].values())
-
-
 @pytest.mark.parametrize("damage, message", [
     (lambda d: (d / "ort" / "head.onnx").write_bytes(b"not a graph"), "changed since export"),
     (lambda d: (d / "ort" / "head.onnx").unlink(), "missing (re-export)"),
