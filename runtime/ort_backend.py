@@ -41,6 +41,19 @@ def ort_value(t: torch.Tensor):
     return ort.OrtValue.ortvalue_from_numpy(t.numpy())
 
 
+def session_options(threads: int | None = None):
+    """One thread policy for every session. ONNX Runtime's intra-op pool owns the cores while a session runs
+    (its default size: the physical cores); between runs its threads sleep instead of spinning, so the host
+    work of a step (mask, cache writes, sampling, in torch) gets the cores it needs. Spinning workers starve
+    that work and make the runtime's own speed swing from run to run."""
+    opts = _ort().SessionOptions()
+    if threads:
+        opts.intra_op_num_threads = threads
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    return opts
+
+
 def bind_weights(model: onnx.ModelProto, tensors: dict[str, torch.Tensor]) -> onnx.ModelProto:
     """A copy of `model` whose inputs named in `tensors` are initializers holding those values, stored as the
     input's declared element type (float8 as its bytes)."""
@@ -84,9 +97,7 @@ class OrtBackend:
         if missing:
             raise MissingDependency(f"ONNX Runtime provider(s) {', '.join(missing)} not available "
                                     f"(have {', '.join(ort.get_available_providers())})")
-        opts = ort.SessionOptions()
-        if threads:
-            opts.intra_op_num_threads = threads
+        opts = session_options(threads)
         self.sessions, self.entries = {}, {}
         for kind in KINDS:
             path = graph_file(self.export_dir, self.manifest, f"ort/{kind}")
@@ -171,7 +182,8 @@ class OrtBackend:
         t0 = time.perf_counter()
         self.sessions[kind].run_with_iobinding(io)
         self._session_s += time.perf_counter() - t0
-        # OrtValue.numpy() views memory the OrtValue owns without keeping it alive: copy before it is freed
+        # OrtValue.numpy() views memory the OrtValue owns without keeping it alive: copy before it is freed.
+        # (Binding fresh torch tensors as outputs instead was measured slower for the blocks.)
         return [torch.from_numpy(np.array(o.numpy(), copy=True)) for o in io.get_outputs()]
 
     def embed(self, input_ids):

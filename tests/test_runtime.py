@@ -231,3 +231,13 @@ def test_backend_limits_bound_the_request(setup):
     assert (g.max_context, g.prefill_chunk) == (20, 4)
     with pytest.raises(K2Error, match="context limit of 20"):
         g.generate([[5] * 15], 6)
+
+
+def test_ort_outputs_are_fresh_tensors_each_call(setup):
+    """ONNX Runtime writes each output into a new torch tensor: a later call never overwrites an earlier result."""
+    ckpt, _, ref, gen = setup
+    a = gen.backend.embed(torch.tensor([[1, 2, 3]]))
+    keep = a.clone()
+    b = gen.backend.embed(torch.tensor([[4, 5, 6]]))
+    assert torch.equal(a, keep) and a.data_ptr() != b.data_ptr()
+    assert torch.equal(b, ref.embed(torch.tensor([[4, 5, 6]])))
