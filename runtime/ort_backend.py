@@ -18,6 +18,7 @@ from k2trt.dtypes import torch_dtype
 from k2trt.errors import K2Error, MissingDependency
 from k2trt.export.manifest import check_matches, graph_file, read_manifest
 from k2trt.graphs.fp8 import WEIGHT_DEQUANT
+from k2trt.graphs.mask import MASK_NEG
 from k2trt.runtime.backend import BackendLimits, Progress, WeightSource, prepare_order
 from k2trt.runtime.graph_weights import graph_weights
 
@@ -112,6 +113,7 @@ class OrtBackend:
         self._values: OrderedDict = OrderedDict()  # id(tensor) -> (tensor, OrtValue), see _value_of
         self._bound: dict = {}
         self._globals: dict | None = None
+        self._past_memo: tuple = (None, None)  # (a step's mask, that mask without its cache part, or None)
 
     # ---- weights ------------------------------------------------------------------------------------
     def _prepared_weights(self, kind: str, layer: int | None) -> dict[str, torch.Tensor]:
@@ -189,8 +191,22 @@ class OrtBackend:
     def embed(self, input_ids):
         return self._run("embedding", {"input_ids": input_ids}, self._layer("embedding", "embedding", None))[0]
 
+    def _without_unseen_past(self, mask: torch.Tensor, latent_cache: torch.Tensor):
+        """A step none of whose queries sees any of the P cache slots (every prompt starts fresh) runs on no
+        slots: a masked key weighs exactly 0, so the result is the same, without attending over P masked slots
+        (for a fresh prompt P >= T: at least half the attention). Decided once per step's mask."""
+        p = latent_cache.shape[1]
+        if p == 0:
+            return mask, latent_cache
+        if self._past_memo[0] is not mask:
+            unseen = bool(mask.numpy()[..., :p].max() <= MASK_NEG)  # NumPy: no torch threads between runs
+            self._past_memo = (mask, mask[..., p:].contiguous() if unseen else None)
+        trimmed = self._past_memo[1]
+        return (mask, latent_cache) if trimmed is None else (trimmed, latent_cache[:, :0])
+
     def block(self, layer, hidden, rope_cos, rope_sin, mask, latent_cache):
         kind = self.cfg.layer_kind(layer)
+        mask, latent_cache = self._without_unseen_past(mask, latent_cache)
         h, new = self._run(kind, {"hidden_states": hidden, "rope_cos": rope_cos, "rope_sin": rope_sin,
                                   "attention_mask": mask, "latent_cache": latent_cache},
                            self._layer(layer, kind, layer))

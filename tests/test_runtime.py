@@ -241,3 +241,22 @@ def test_ort_outputs_are_fresh_tensors_each_call(setup):
     b = gen.backend.embed(torch.tensor([[4, 5, 6]]))
     assert torch.equal(a, keep) and a.data_ptr() != b.data_ptr()
     assert torch.equal(b, ref.embed(torch.tensor([[4, 5, 6]])))
+
+
+def test_ort_block_skips_a_past_no_query_sees(setup):
+    """Fresh prompts see none of the cache slots: the ORT backend drops them, and the block's result is the
+    reference's on the full masked cache."""
+    from k2trt.graphs.mask import simple_mask
+    from k2trt.graphs.rope import rope_tables
+
+    ckpt, _, ref, gen = setup
+    cfg = ckpt.config
+    h = torch.randn(2, 5, cfg.hidden_size, generator=torch.Generator().manual_seed(5))
+    cos, sin = rope_tables(cfg, torch.arange(5).expand(2, 5))
+    cache = torch.randn(2, 16, cfg.latent_dim)  # written slots no query may see
+    mask = torch.cat([torch.full((2, 5, 16), -1e9), simple_mask(2, 0, 5)], dim=-1)
+    for layer in range(cfg.num_hidden_layers):
+        got, new = gen.backend.block(layer, h, cos, sin, mask, cache)
+        want, want_new = ref.block(layer, h, cos, sin, mask, cache)
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+        assert (new - want_new).abs().max() <= 1e-4 * want_new.abs().max()
