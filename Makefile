@@ -42,8 +42,9 @@ generate: export
 chat: export
 	$(K2TRT) chat --model $(TINY) --onnx $(ONNX)
 
+# e.g. make bench BENCH_ARGS="--repeat 5 --batch 1,4 --prompt-len 16"
 bench: export
-	$(K2TRT) bench --model $(TINY) --onnx $(ONNX)
+	$(K2TRT) bench --model $(TINY) --onnx $(ONNX) $(BENCH_ARGS)
 
 bench-stream: install
 	$(PY) -m k2trt.tools.stream_bench --gb 4

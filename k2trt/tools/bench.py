@@ -159,14 +159,15 @@ def format_table(rows: list[Row], backends: list[str]) -> str:
     head = ["batch", "prompt"]
     for p in PHASES:
         head += [f"{p} {b}" for b in backends] + [f"{p} ×{b[:5]}" for b in baselines]
-    head += ["same tokens", "host"]
+    head += ["same tokens", "host", "spread"]
     lines = [head]
     for r in rows:
         cells = [str(r.batch), str(r.prompt)]
         for p in PHASES:
             cells += [f"{r.median(b, p):.0f}" for b in backends]
             cells += [f"{r.ratio(b, p):.2f}×" for b in baselines]
-        cells += ["-" if r.agree is None else f"{r.agree:.0%}", f"{r.host_share:.0%}"]
+        spread = max(r.spread(RUNTIME, p) for p in PHASES)
+        cells += ["-" if r.agree is None else f"{r.agree:.0%}", f"{r.host_share:.0%}", f"{spread:.0%}"]
         lines.append(cells)
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines)
@@ -198,5 +199,6 @@ def run(args) -> int:
     print(format_table(rows, runner.backends))
     print(f"tokens/s, median of {args.repeat} runs per backend (each run: {args.new_tokens} new tokens, greedy); "
           f"×NAME = runtime / NAME; same tokens = share of sequences whose tokens equal transformers'; "
-          f"host = share of the runtime's step time outside ONNX Runtime's sessions")
+          f"host = share of the runtime's step time outside ONNX Runtime's sessions; spread = the runtime's "
+          f"(max - min) / median over the runs, the larger of prefill and decode")
     return 0
