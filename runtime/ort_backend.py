@@ -45,7 +45,7 @@ def ort_value(t: torch.Tensor):
 def session_options(threads: int | None = None):
     """One thread policy for every session. ONNX Runtime's intra-op pool owns the cores while a session runs
     (its default size: the physical cores); between runs its threads sleep instead of spinning, so the host
-    work of a step (mask, cache writes, sampling, in torch) gets the cores it needs. Spinning workers starve
+    work of a step (mask, cache writes, sampling) gets the cores it needs. Spinning workers starve
     that work and make the runtime's own speed swing from run to run."""
     opts = _ort().SessionOptions()
     if threads:
