@@ -10,7 +10,8 @@ DTYPE   ?= float32
 # Where pip would otherwise pick a CUDA build, set TORCH_INDEX to PyTorch's CPU wheel index.
 TORCH   ?= torch==2.13.0
 TORCH_INDEX ?=
-EXTRAS  ?= cpu,serve,dev
+# serve: fastapi + uvicorn; bench: transformers, the second baseline of `make bench` (and its tests)
+EXTRAS  ?= cpu,serve,dev,bench
 # make generate PIPELINE=2: the same generation as pipeline stages, one process each
 PIPELINE ?=
 PIPE    := $(if $(PIPELINE),--pipeline $(PIPELINE))
@@ -44,8 +45,9 @@ generate: export
 chat: export
 	$(K2TRT) chat --model $(TINY) --onnx $(ONNX)
 
+# e.g. make bench BENCH_ARGS="--repeat 5 --batch 1,4 --prompt-len 16"
 bench: export
-	$(K2TRT) bench --model $(TINY) --onnx $(ONNX)
+	$(K2TRT) bench --model $(TINY) --onnx $(ONNX) $(BENCH_ARGS)
 
 bench-stream: install
 	$(PY) -m k2trt.tools.stream_bench --gb 4

@@ -58,7 +58,9 @@ class LatentCache:
         """Write a step's new entries in place. new [B, T, latent]; `rows` are the flat cache rows
         (slot * capacity + position) of the valid entries `valid` [B, T] (StepTensors.cache_rows)."""
         flat = self.tensors[layer].view(-1, self.latent_dim)
-        flat.index_copy_(0, rows, new[valid].to(self.dtype))
+        # every position real (decode, equal prompts): valid order is flat order, no boolean gather needed
+        src = new.reshape(-1, self.latent_dim) if rows.numel() == valid.numel() else new[valid]
+        flat.index_copy_(0, rows, src.to(self.dtype))
 
     def move(self, src: int, dst: int) -> None:
         for t in self.tensors.values():

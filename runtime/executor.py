@@ -90,8 +90,15 @@ class StageExecutor:
         t0 = time.perf_counter()
         logits = self.backend.head(last)[:, -1]
         self.clock.backend_s += time.perf_counter() - t0
-        for r, b in enumerate(rows):
-            out[b] = int(self.samplers[plan.first + b](logits[r:r + 1])[0])
+        samplers = [self.samplers[plan.first + b] for b in rows]
+        greedy = [r for r, s in enumerate(samplers) if s.params.greedy]
+        if greedy:  # greedy rows draw nothing: one argmax for all of them picks what each sampler would
+            picked = logits[greedy].float().argmax(dim=-1).tolist()
+            for r, tok in zip(greedy, picked):
+                out[rows[r]] = tok
+        for r, (b, s) in enumerate(zip(rows, samplers)):
+            if not s.params.greedy:
+                out[b] = int(s(logits[r:r + 1])[0])
         return out
 
     def run(self, plan: StepPlan) -> list[int | None]:

@@ -18,6 +18,7 @@ from k2trt.dtypes import torch_dtype
 from k2trt.errors import K2Error, MissingDependency
 from k2trt.export.manifest import check_matches, graph_file, graph_path, read_manifest
 from k2trt.graphs.fp8 import WEIGHT_DEQUANT
+from k2trt.graphs.mask import MASK_NEG
 from k2trt.runtime.backend import BackendLimits, Progress, WeightSource, prepare_order
 from k2trt.runtime.graph_weights import graph_weights, source_names
 
@@ -39,6 +40,19 @@ def ort_value(t: torch.Tensor):
     if t.dtype == torch.float8_e4m3fn:
         return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(t.view(torch.uint8).numpy(), TensorProto.FLOAT8E4M3FN)
     return ort.OrtValue.ortvalue_from_numpy(t.numpy())
+
+
+def session_options(threads: int | None = None):
+    """One thread policy for every session. ONNX Runtime's intra-op pool owns the cores while a session runs
+    (its default size: the physical cores); between runs its threads sleep instead of spinning, so the host
+    work of a step (mask, cache writes, sampling) gets the cores it needs. Spinning workers starve
+    that work and make the runtime's own speed swing from run to run."""
+    opts = _ort().SessionOptions()
+    if threads:
+        opts.intra_op_num_threads = threads
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    return opts
 
 
 def bind_weights(model: onnx.ModelProto, tensors: dict[str, torch.Tensor]) -> onnx.ModelProto:
@@ -84,9 +98,7 @@ class OrtBackend:
         if missing:
             raise MissingDependency(f"ONNX Runtime provider(s) {', '.join(missing)} not available "
                                     f"(have {', '.join(ort.get_available_providers())})")
-        opts = ort.SessionOptions()
-        if threads:
-            opts.intra_op_num_threads = threads
+        opts = session_options(threads)
         self.sessions, self.entries = {}, {}
         for kind in KINDS:
             path = graph_file(self.export_dir, self.manifest, f"ort/{kind}")
@@ -100,6 +112,7 @@ class OrtBackend:
         self._session_s = 0.0
         self._values: OrderedDict = OrderedDict()  # id(tensor) -> (tensor, OrtValue), see _value_of
         self._bound: dict = {}
+        self._past_memo: tuple = (None, None)  # (a step's mask, that mask without its cache part, or None)
 
     # ---- weights ------------------------------------------------------------------------------------
     def _prepared_weights(self, kind: str, layer: int | None) -> dict[str, torch.Tensor]:
@@ -168,14 +181,29 @@ class OrtBackend:
         t0 = time.perf_counter()
         self.sessions[kind].run_with_iobinding(io)
         self._session_s += time.perf_counter() - t0
-        # OrtValue.numpy() views memory the OrtValue owns without keeping it alive: copy before it is freed
+        # OrtValue.numpy() views memory the OrtValue owns without keeping it alive: copy before it is freed.
+        # (Binding fresh torch tensors as outputs instead was measured slower for the blocks.)
         return [torch.from_numpy(np.array(o.numpy(), copy=True)) for o in io.get_outputs()]
 
     def embed(self, input_ids):
         return self._run("embedding", {"input_ids": input_ids}, self._layer("embedding", "embedding", None))[0]
 
+    def _without_unseen_past(self, mask: torch.Tensor, latent_cache: torch.Tensor):
+        """A step none of whose queries sees any of the P cache slots (every prompt starts fresh) runs on no
+        slots: a masked key weighs exactly 0, so the result is the same, without attending over P masked slots
+        (for a fresh prompt P >= T: at least half the attention). Decided once per step's mask."""
+        p = latent_cache.shape[1]
+        if p == 0:
+            return mask, latent_cache
+        if self._past_memo[0] is not mask:
+            unseen = bool(mask.numpy()[..., :p].max() <= MASK_NEG)  # NumPy: no torch threads between runs
+            self._past_memo = (mask, mask[..., p:].contiguous() if unseen else None)
+        trimmed = self._past_memo[1]
+        return (mask, latent_cache) if trimmed is None else (trimmed, latent_cache[:, :0])
+
     def block(self, layer, hidden, rope_cos, rope_sin, mask, latent_cache):
         kind = self.cfg.layer_kind(layer)
+        mask, latent_cache = self._without_unseen_past(mask, latent_cache)
         h, new = self._run(kind, {"hidden_states": hidden, "rope_cos": rope_cos, "rope_sin": rope_sin,
                                   "attention_mask": mask, "latent_cache": latent_cache},
                            self._layer(layer, kind, layer))

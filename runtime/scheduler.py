@@ -31,7 +31,8 @@ from k2trt.runtime.timings import Timings
 FINISH_LENGTH, FINISH_STOP_TOKEN, FINISH_STOP_STRING, FINISH_CANCELLED = "length", "stop_token", "stop_string", \
     "cancelled"
 # a prefill step's mask is B x T x (P + T) float32: chunks shrink so it stays under this many elements
-MASK_BUDGET = 1 << 22
+# (16 fresh prompts of 512 tokens still take one step: 16 x 512 x (512 + 512))
+MASK_BUDGET = 1 << 23
 DEFAULT_PREFILL_CHUNK = 512
 
 _ids = itertools.count()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from k2trt.config import K2Config
@@ -82,12 +83,13 @@ class RopeTable:
         self.cfg = cfg
         self.cos = self.sin = torch.empty(0, cfg.qk_rope_head_dim // 2)
 
-    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        need = int(positions.max()) + 1 if positions.numel() else 0
+    def __call__(self, positions: torch.Tensor | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = np.asarray(positions)
+        need = int(idx.max()) + 1 if idx.size else 0
         if need > self.cos.shape[0]:
             n = max(need, 2 * self.cos.shape[0], 64)
-            self.cos, self.sin = (t[0] for t in rope_tables(self.cfg, torch.arange(n).unsqueeze(0)))
-        return self.cos[positions], self.sin[positions]
+            self.cos, self.sin = (t[0].contiguous() for t in rope_tables(self.cfg, torch.arange(n).unsqueeze(0)))
+        return torch.from_numpy(self.cos.numpy()[idx]), torch.from_numpy(self.sin.numpy()[idx])
 
 
 @dataclass
@@ -102,22 +104,27 @@ class StepTensors:
 
 
 def step_tensors(plan: StepPlan, rope: RopeTable, device, act_dtype: torch.dtype) -> StepTensors:
+    # Built in NumPy, which never starts threads: this host work runs between ONNX Runtime's sessions, and
+    # torch's intra-op threads (which large tensors here would wake) would fight that pool for the cores.
     b, t, cap = plan.batch, plan.width, plan.capacity
-    lengths = torch.tensor([len(x) for x in plan.tokens])
-    starts = torch.tensor(plan.starts)
-    ids = torch.zeros(b, t, dtype=torch.int64)
+    lengths = np.array([len(x) for x in plan.tokens], dtype=np.int64)
+    starts = np.array(plan.starts, dtype=np.int64)
+    ids = np.zeros((b, t), dtype=np.int64)
     for i, x in enumerate(plan.tokens):
-        ids[i, :len(x)] = torch.tensor(x)
-    offs = torch.arange(t)
+        ids[i, :len(x)] = x
+    offs = np.arange(t)
     valid = offs[None, :] < lengths[:, None]  # [B, T]
     positions = starts[:, None] + offs[None, :]  # [B, T]
-    # keys: the P cache slots (written below `start`), then the T new positions (real ones only), causal
-    slot_pos = torch.arange(cap)
-    key_pos = torch.cat([slot_pos.expand(b, cap), positions], dim=1)  # [B, P + T]
-    key_ok = torch.cat([slot_pos[None, :] < starts[:, None], valid], dim=1)
-    allowed = key_ok[:, None, :] & (key_pos[:, None, :] <= positions[:, :, None])
-    mask = torch.where(allowed, torch.zeros((), dtype=torch.float32), torch.tensor(MASK_NEG, dtype=torch.float32))
+    # keys: the P cache slots, then the T new positions, causal. Slot j < start is written and precedes every
+    # new position of its sequence, so the cache part is one row per sequence; a new key s is seen by the new
+    # positions t >= s, if it is real.
+    mask = np.empty((b, t, cap + t), dtype=np.float32)
+    mask[:, :, :cap] = np.where(np.arange(cap)[None, :] < starts[:, None], np.float32(0), np.float32(MASK_NEG))[:, None]
+    causal = offs[None, :] <= offs[:, None]  # [T query, T key]
+    mask[:, :, cap:] = np.where(causal[None] & valid[:, None, :], np.float32(0), np.float32(MASK_NEG))
     cos, sin = rope(positions)
-    rows = ((plan.first + torch.arange(b))[:, None] * cap + positions)[valid]
-    return StepTensors(ids.to(device), cos.to(device, act_dtype), sin.to(device, act_dtype), mask.to(device),
-                       valid.to(device), rows.to(device), (lengths - 1).to(device))
+    rows = ((plan.first + np.arange(b))[:, None] * cap + positions)[valid]
+    as_t = torch.from_numpy
+    return StepTensors(as_t(ids).to(device), cos.to(device, act_dtype), sin.to(device, act_dtype),
+                       as_t(mask).to(device), as_t(valid).to(device), as_t(rows).to(device),
+                       as_t(lengths - 1).to(device))

@@ -242,3 +242,15 @@ def test_torchrun_runs_the_same_command(tiny_ckpt, tiny_export, single):
     # torchrun merges the ranks' output: only rank 0 printed anything
     assert [(x["token_ids"], x["finish_reason"]) for x in json.loads(r.stdout.strip().splitlines()[-1])["results"]] \
         == greedy
+
+
+@pytest.mark.slow
+def test_bench_reports_the_pipeline_against_one_process(tiny_ckpt, tiny_export):
+    r = subprocess.run(K2TRT + ["bench", "--model", str(tiny_ckpt), "--onnx", str(tiny_export), "--pipeline", "2",
+                                "--batch", "2", "--prompt-len", "8", "--new-tokens", "4", "--repeat", "1", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    single, piped = out["single_process"], out["pipeline"]
+    assert single["ms_per_decode_step"] > 0 and piped["ms_per_decode_step"] > 0 and piped["stages"] == 2
+    assert 0 <= piped["transfer_share"] < 1

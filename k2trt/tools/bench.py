@@ -1,76 +1,213 @@
-"""`k2trt bench`: prefill and decode tokens/s of the runtime (ONNX Runtime over the exported graphs) and of the
-eager torch reference, on the same prompts in the same run, their ratio, and the per-step host time spent
-outside the backend's sessions. Speed is reported as ratios against the reference, not as absolute claims."""
+"""`k2trt bench`: prefill and decode tokens/s of the runtime (ONNX Runtime over the exported graphs) against two
+baselines on the same prompts in the same run — Hugging Face transformers' DeepseekV3ForCausalLM on the same
+checkpoint (FP8 dequantized to float32, its own KV cache; the optional `bench` extra) and our eager torch
+reference — over a grid of batch sizes and prompt lengths. Speed is reported as ratios in one run, not as
+absolute claims: each repeat runs every backend in turn on the same prompts, and the median is reported."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
+import statistics
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from k2trt.errors import K2Error
+from k2trt.errors import K2Error, MissingDependency
+
+RUNTIME, TRANSFORMERS, REFERENCE = "runtime", "transformers", "reference"
+PHASES = ("prefill", "decode")
+SANITY_PROMPT, SANITY_TOKENS = 16, 8  # the greedy tokens of transformers and the runtime must agree here
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--onnx", type=Path, required=True)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--repeat", type=int, default=3, help="timed runs per backend (best is reported)")
+    p.add_argument("--batch", type=_int_list, default=[1, 4, 16], help="batch sizes, comma-separated")
+    p.add_argument("--prompt-len", type=_int_list, default=[16, 128, 512], help="prompt lengths, comma-separated")
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--repeat", type=int, default=3, help="timed runs of every backend per row (median reported)")
+    p.add_argument("--baselines", default=f"{TRANSFORMERS},{REFERENCE}",
+                   help=f"comma-separated: {TRANSFORMERS} (needs the bench extra), {REFERENCE} (eager torch)")
     p.add_argument("--json", action="store_true")
+    from k2trt.runtime.loader import add_pipeline_arguments
+
+    add_pipeline_arguments(p)  # --pipeline N: the per-step time of N stages against one process (pipeline_bench)
 
 
-def _measure(backend, cfg, prompts, new_tokens, repeat):
-    from k2trt.runtime.generator import Generator
+@dataclass
+class Row:
+    batch: int
+    prompt: int
+    runs: dict = field(default_factory=dict)  # backend -> phase -> [tok/s per repeat]
+    agree: float | None = None  # share of sequences whose greedy tokens equal transformers'
+    host_share: float | None = None  # of the runtime's step time, outside ONNX Runtime's sessions
 
-    backend.prepare()  # every layer's weights bound, so loading is not timed
-    gen = Generator(backend, cfg)
-    gen.generate(prompts, 2)  # warm-up
-    best = None
-    for _ in range(repeat):
-        _, t = gen.generate(prompts, new_tokens)
-        if best is None or t.prefill_s + t.decode_s < best.prefill_s + best.decode_s:
-            best = t
-    return best
+    def median(self, backend: str, phase: str) -> float | None:
+        values = self.runs.get(backend, {}).get(phase)
+        return statistics.median(values) if values else None
+
+    def ratio(self, backend: str, phase: str) -> float | None:
+        ours, theirs = self.median(RUNTIME, phase), self.median(backend, phase)
+        return ours / theirs if ours and theirs else None
+
+    def spread(self, backend: str, phase: str) -> float | None:
+        """(max - min) / median over the repeats."""
+        values = self.runs.get(backend, {}).get(phase)
+        return (max(values) - min(values)) / statistics.median(values) if values else None
+
+    def as_dict(self) -> dict:
+        out = {"batch": self.batch, "prompt": self.prompt, "tokens_agree_with_transformers": self.agree,
+               "runtime_host_share": self.host_share}
+        for backend in self.runs:
+            for phase in PHASES:
+                out[f"{backend}_{phase}_tokens_per_s"] = _round(self.median(backend, phase))
+                out[f"{backend}_{phase}_spread"] = _round(self.spread(backend, phase), 3)
+                if backend != RUNTIME:
+                    out[f"ratio_{phase}_runtime_over_{backend}"] = _round(self.ratio(backend, phase))
+        return out
+
+
+def _round(v, n: int = 2):
+    return None if v is None else round(v, n)
+
+
+class Runner:
+    """The backends of one bench, each made once with its weights bound before anything is timed."""
+
+    def __init__(self, args, ckpt):
+        from k2trt.runtime.backends import BackendChoice, open_backend
+        from k2trt.runtime.generator import Generator
+
+        self.cfg, self.new_tokens = ckpt.config, args.new_tokens
+        self.gens, self.hf, self.missing = {}, None, []
+        wanted = [b.strip() for b in args.baselines.split(",") if b.strip()]
+        unknown = set(wanted) - {TRANSFORMERS, REFERENCE}
+        if unknown:
+            raise K2Error(f"unknown baseline(s) {', '.join(sorted(unknown))} (choose from {TRANSFORMERS}, {REFERENCE})")
+        choices = {RUNTIME: BackendChoice("ort", args.onnx)}
+        if REFERENCE in wanted:
+            choices[REFERENCE] = BackendChoice("torch")
+        for name, choice in choices.items():
+            backend = open_backend(choice, ckpt)
+            backend.prepare()
+            self.gens[name] = Generator(backend, self.cfg)
+        if TRANSFORMERS in wanted:
+            from k2trt.tools import hf_baseline
+
+            try:
+                self.hf = hf_baseline.build_hf_model(ckpt)
+            except MissingDependency as e:
+                self.missing.append(str(e))
+        self.backends = [RUNTIME] + ([TRANSFORMERS] if self.hf is not None else []) + \
+            ([REFERENCE] if REFERENCE in self.gens else [])
+
+    def generate(self, backend: str, prompts: list[list[int]], new_tokens: int):
+        """-> (new tokens of each prompt, {phase: tok/s}, host share or None)."""
+        if backend == TRANSFORMERS:
+            from k2trt.tools.hf_baseline import hf_generate
+
+            tokens, t = hf_generate(self.hf, prompts, new_tokens)
+            return tokens, _rates(t.as_dict()), None
+        results, t = self.gens[backend].generate(prompts, new_tokens)
+        return [r.token_ids for r in results], _rates(t.as_dict()), t.host_s / (t.prefill_s + t.decode_s)
+
+    def sanity_check(self, prompts: list[list[int]]) -> None:
+        """transformers must pick the runtime's greedy tokens on a short prompt, or its speed means nothing."""
+        if self.hf is None:
+            return
+        ours, _, _ = self.generate(RUNTIME, prompts, SANITY_TOKENS)
+        theirs, _, _ = self.generate(TRANSFORMERS, prompts, SANITY_TOKENS)
+        if ours != theirs:
+            raise K2Error(f"transformers' greedy tokens {theirs[0]} differ from the runtime's {ours[0]} on a "
+                          f"{len(prompts[0])}-token prompt: the two do not run the same model")
+
+    def row(self, batch: int, prompt: int, repeat: int) -> Row:
+        g = torch.Generator().manual_seed(batch * 1000 + prompt)
+        prompts = torch.randint(0, self.cfg.vocab_size - 256, (batch, prompt), generator=g).tolist()
+        row = Row(batch, prompt, {b: {p: [] for p in PHASES} for b in self.backends})
+        for b in self.backends:
+            self.generate(b, prompts, 2)  # warm-up at this shape
+        tokens, shares = {}, []
+        for _ in range(repeat):  # every backend in turn, so load changes hit all of them alike
+            for b in self.backends:
+                tokens[b], rates, share = self.generate(b, prompts, self.new_tokens)
+                for p in PHASES:
+                    row.runs[b][p].append(rates[p])
+                if share is not None and b == RUNTIME:
+                    shares.append(share)
+        row.host_share = statistics.median(shares)
+        if TRANSFORMERS in tokens:
+            row.agree = sum(a == t for a, t in zip(tokens[RUNTIME], tokens[TRANSFORMERS])) / batch
+        return row
+
+
+def _rates(d: dict) -> dict:
+    return {p: d[f"{p}_tokens_per_s"] for p in PHASES}
+
+
+def format_table(rows: list[Row], backends: list[str]) -> str:
+    baselines = [b for b in backends if b != RUNTIME]
+    head = ["batch", "prompt"]
+    for p in PHASES:
+        head += [f"{p} {b}" for b in backends] + [f"{p} ×{b[:5]}" for b in baselines]
+    head += ["same tokens", "host", "spread"]
+    lines = [head]
+    for r in rows:
+        cells = [str(r.batch), str(r.prompt)]
+        for p in PHASES:
+            cells += [f"{r.median(b, p):.0f}" for b in backends]
+            cells += [f"{r.ratio(b, p):.2f}×" for b in baselines]
+        spread = max(r.spread(RUNTIME, p) for p in PHASES)
+        cells += ["-" if r.agree is None else f"{r.agree:.0%}", f"{r.host_share:.0%}", f"{spread:.0%}"]
+        lines.append(cells)
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines)
 
 
 def run(args) -> int:
     from k2trt.checkpoint import Checkpoint
-    from k2trt.runtime.backends import BackendChoice, open_backend
 
-    if args.prompt_len < 1 or args.new_tokens < 2 or args.batch < 1 or args.repeat < 1:
-        raise K2Error("--prompt-len, --batch, --repeat must be >= 1 and --new-tokens >= 2")
+    if args.new_tokens < 2 or args.repeat < 1:
+        raise K2Error("--new-tokens must be >= 2 and --repeat >= 1")
+    from k2trt.runtime.distributed.world import launched
+
+    if args.pipeline is not None or launched():
+        from k2trt.tools import pipeline_bench
+
+        return pipeline_bench.run(args)
     ckpt = Checkpoint.open(args.model)
-    cfg = ckpt.config
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(0, cfg.vocab_size - 256, (args.batch, args.prompt_len), generator=g).tolist()
+    runner = Runner(args, ckpt)
+    for line in runner.missing:
+        print(f"note: {line}: transformers is left out")
+    sanity = torch.randint(0, ckpt.config.vocab_size - 256, (1, SANITY_PROMPT),
+                           generator=torch.Generator().manual_seed(1)).tolist()
+    runner.sanity_check(sanity)
     rows = []
-    for name, choice in (("torch reference", BackendChoice("torch")), ("onnxruntime", BackendChoice("ort", args.onnx))):
-        print(f"benchmarking {name} (batch {args.batch}, prompt {args.prompt_len}, new {args.new_tokens}) ...",
-              flush=True)
-        t0 = time.perf_counter()
-        timings = _measure(open_backend(choice, ckpt), cfg, prompts, args.new_tokens, args.repeat)
-        d = timings.as_dict()
-        steps = timings.decode_steps + 1
-        d["host_ms_per_step"] = round(1000 * timings.host_s / steps, 3)
-        d["host_share"] = round(timings.host_s / (timings.prefill_s + timings.decode_s), 4)
-        d["wall_s"] = round(time.perf_counter() - t0, 1)
-        rows.append((name, d))
-    ref, rt = rows[0][1], rows[1][1]
-    ratio = {k: round(rt[k] / ref[k], 2) for k in ("prefill_tokens_per_s", "decode_tokens_per_s")}
+    for batch in args.batch:
+        for prompt in args.prompt_len:
+            if not args.json:
+                print(f"batch {batch}, prompt {prompt}, {args.new_tokens} new tokens ...", flush=True)
+            rows.append(runner.row(batch, prompt, args.repeat))
     if args.json:
-        print(json.dumps({"rows": dict(rows), "ratio_runtime_over_reference": ratio}))
+        print(json.dumps({"backends": runner.backends, "new_tokens": args.new_tokens, "repeat": args.repeat,
+                          "missing": runner.missing, "rows": [r.as_dict() for r in rows]}))
         return 0
     print()
-    print(f"{'backend':<18}{'prefill tok/s':>15}{'decode tok/s':>15}{'host ms/step':>15}{'host share':>12}")
-    for name, d in rows:
-        print(f"{name:<18}{d['prefill_tokens_per_s']:>15}{d['decode_tokens_per_s']:>15}"
-              f"{d['host_ms_per_step']:>15}{d['host_share']:>12.1%}")
-    print(f"{'ratio runtime/ref':<18}{ratio['prefill_tokens_per_s']:>14}x{ratio['decode_tokens_per_s']:>14}x")
-    print("host = step time outside ONNX Runtime's run calls (onnxruntime) or outside the block calls (torch); "
-          "weights are bound before timing")
+    print(format_table(rows, runner.backends))
+    print(f"tokens/s, median of {args.repeat} runs per backend (each run: {args.new_tokens} new tokens, greedy); "
+          f"×NAME = runtime / NAME; same tokens = share of sequences whose tokens equal transformers'; "
+          f"host = share of the runtime's step time outside ONNX Runtime's sessions; spread = the runtime's "
+          f"(max - min) / median over the runs, the larger of prefill and decode")
     return 0

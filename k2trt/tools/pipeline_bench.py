@@ -1,5 +1,5 @@
 """`k2trt bench --pipeline N`: the per-step time of pipeline stages, and the share of it spent moving messages,
-in the same run as a single process on the same prompts.
+in the same run as a single process on the same prompts (the first --batch and --prompt-len).
 
 The user's process measures the single process first, then starts the N ranks (runtime/distributed/launch.py) with
 that row in their environment; rank 0 measures the pipeline, gathers every rank's counters when it ends the
@@ -45,7 +45,11 @@ def single_process(args) -> dict:
     backend = open_backend(BackendChoice("ort", args.onnx), ckpt)
     backend.prepare()
     gen = Generator(backend, ckpt.config)
-    return measure(gen, bench_prompts(ckpt.config, args.batch, args.prompt_len), args.new_tokens, args.repeat)
+    return measure(gen, prompts_of(args, ckpt.config), args.new_tokens, args.repeat)
+
+
+def prompts_of(args, cfg) -> list[list[int]]:
+    return bench_prompts(cfg, args.batch[0], args.prompt_len[0])
 
 
 def render(single: dict | None, piped: dict, stages: int, share: float) -> str:
@@ -77,7 +81,7 @@ def run(args) -> int:
         loaded.session.follow()
         return 0
     gen = Generator(loaded.backend, loaded.config, executor=loaded.executor)
-    piped = measure(gen, bench_prompts(loaded.config, args.batch, args.prompt_len), args.new_tokens, args.repeat)
+    piped = measure(gen, prompts_of(args, loaded.config), args.new_tokens, args.repeat)
     stats = loaded.close()
     share = transfer_share(stats)
     single = json.loads(os.environ.get(SINGLE_ENV) or "null")
