@@ -30,9 +30,10 @@ from k2trt.runtime.timings import Timings
 
 FINISH_LENGTH, FINISH_STOP_TOKEN, FINISH_STOP_STRING, FINISH_CANCELLED = "length", "stop_token", "stop_string", \
     "cancelled"
-# a prefill step's mask is B x T x (P + T) float32: chunks shrink so it stays under this many elements
-# (16 fresh prompts of 512 tokens still take one step: 16 x 512 x (512 + 512))
-MASK_BUDGET = 1 << 23
+# a prefill step's attention spans B x T x (P + T) (mask, scores): chunks shrink so it stays under this many
+# elements. P counts only when some request has cached positions: fresh prompts attend over their own T alone
+# (16 fresh prompts of 512 tokens take one step, 16 x 512 x 512), long prompts' later chunks over the cache too.
+MASK_BUDGET = 1 << 22
 DEFAULT_PREFILL_CHUNK = 512
 
 _ids = itertools.count()
@@ -243,12 +244,14 @@ class Scheduler:
             self.rows = bucket(rows, self.max_slots, minimum=1)
 
     def _chunk_size(self, reqs: list[Request]) -> int:
-        """Prompt tokens per request in this step: the chunk, halved while the step's mask would exceed the
-        budget (the mask and the scores span the written positions, so long prompts take smaller chunks)."""
+        """Prompt tokens per request in this step: the chunk, halved while the step's attention would exceed the
+        budget (it spans the written positions, so long prompts take smaller chunks)."""
         chunk = self.prefill_chunk
+        past = any(r.cached for r in reqs)
         while chunk > 16:
             need = max(r.cached + min(chunk, len(r.prompt) - r.fed) for r in reqs)
-            if len(reqs) * chunk * (bucket(need, self.max_context) + chunk) <= self.mask_budget:
+            keys = (bucket(need, self.max_context) if past else 0) + chunk
+            if len(reqs) * chunk * keys <= self.mask_budget:
                 break
             chunk //= 2
         return chunk
