@@ -7,62 +7,35 @@ import concurrent.futures as cf
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
-openai = pytest.importorskip("openai")
+from k2trt.tools.bench_serve import LiveServer
 
 PROMPTS = ["The quick brown fox", "Hello", "Zwölf Boxkämpfer jagen Viktor quer über den großen Sylter Deich.",
            "Once upon a time", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12", "Le petit déjeuner était prêt",
            "def encode(text):", "Kimi K2 is a mixture of experts"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Server(LiveServer):
+    """A live `k2trt serve` on the embedded tiny checkpoint, with the official client pointed at it."""
 
-
-class Server:
     def __init__(self, ckpt, onnx, *extra):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"k2trt-serve-{self.port}.log", "w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "k2trt.cli", "serve", "--model", str(ckpt), "--onnx",
-                                      str(onnx), "--port", str(self.port), "--served-model-name", "tiny", *extra],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.output()
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        else:
-            raise AssertionError("server did not start:\n" + self.output())
+        log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"k2trt-serve-{os.getpid()}-{id(self)}.log", "w+")
+        super().__init__(["--model", str(ckpt), "--onnx", str(onnx), "--served-model-name", "tiny", *extra], log,
+                         startup_s=180)
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()[-4000:]
-
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                raise AssertionError("server did not stop on SIGTERM:\n" + self.output())
-        return self.proc.returncode
+        code = super().stop()
+        assert code is not None, "server did not stop on SIGTERM:\n" + self.output()
+        return code
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,36 +120,52 @@ def free_port() -> int:
 
 
 class LiveServer:
-    """`k2trt serve` in a child process for the duration of the bench."""
+    """`k2trt serve <serve_args>` in a child process: started on a free port, waited for until /health answers,
+    stopped with SIGTERM (the way a supervisor stops it). Its output goes to `log` (a file), never to a pipe
+    nobody reads."""
 
-    def __init__(self, args, max_batch: int):
+    def __init__(self, serve_args: list[str], log=None, startup_s: float = 300.0):
         import httpx
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "k2trt.cli", "serve", "--model", str(args.model), "--port", str(self.port),
-               "--max-batch", str(max_batch), "--log-level", "warning", "--max-queue", str(10 * max_batch)]
-        cmd += ["--onnx", str(args.onnx)] if args.onnx else ["--engines", str(args.engines)] if args.engines else []
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 300
+        self.log = log or tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen([sys.executable, "-m", "k2trt.cli", "serve", *serve_args, "--port", str(self.port)],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + startup_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise K2Error(f"the server did not start: {self.proc.stderr.read().strip().splitlines()[-1:]}")
+                raise K2Error(f"the server did not start: {self.output().strip().splitlines()[-1:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return
             except httpx.HTTPError:
                 time.sleep(0.3)
         self.stop()
-        raise K2Error("the server did not start within 300 s")
+        raise K2Error(f"the server did not start within {startup_s:.0f} s")
 
-    def stop(self) -> None:
+    def output(self, tail: int = 4000) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-tail:]
+
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        """SIGTERM, then SIGKILL if it does not end in time; -> its exit status (None if it had to be killed)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=60)
+                self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+                self.proc.wait()
+                return None
+        return self.proc.returncode
+
+
+def serve_args(args, max_batch: int) -> list[str]:
+    backend = ["--onnx", str(args.onnx)] if args.onnx else ["--engines", str(args.engines)]
+    return ["--model", str(args.model), *backend, "--max-batch", str(max_batch), "--log-level", "warning",
+            "--max-queue", str(10 * max_batch)]
 
 
 def bodies(model: str, n: int, prompt_len: int, max_tokens: int, vocab: int) -> list[dict]:
@@ -181,7 +198,7 @@ def run(args) -> int:
         raise K2Error("--concurrency levels, --requests and --prompt-len must be >= 1, --max-tokens >= 2")
     if args.model is not None and not (args.onnx or args.engines):
         raise K2Error("give --onnx DIR or --engines DIR for the server to start")
-    server = LiveServer(args, max(levels_asked)) if args.model is not None else None
+    server = LiveServer(serve_args(args, max(levels_asked))) if args.model is not None else None
     url = server.url if server else args.url.rstrip("/")
     try:
         models = httpx.get(url + "/v1/models", timeout=30).json()["data"]
