@@ -22,10 +22,12 @@ COMMANDS = {
     "build": ("k2trt.runtime.trt.build", "build TensorRT engines from the exported graphs (needs TensorRT + GPU)"),
     "generate": ("k2trt.runtime.cli", "generate text through the exported graphs or engines"),
     "chat": ("k2trt.runtime.chat", "interactive chat with history"),
-    "bench": ("k2trt.tools.bench", "prefill/decode tokens/s of the runtime against the torch reference"),
+    "bench": ("k2trt.tools.bench", "prefill/decode tokens/s of the runtime against transformers and the torch "
+                                   "reference (or pipeline stages against one process)"),
     "compare": ("k2trt.tools.compare.cli", "accuracy of each backend against the torch reference, via polygraphy"),
     "serve": ("k2trt.runtime.serve.cli", "an OpenAI-compatible HTTP server with continuous batching"),
-    "bench-serve": ("k2trt.tools.bench_serve", "concurrent clients over HTTP against a live server: tokens/s, TTFT, ITL"),
+    "bench-serve": ("k2trt.tools.bench_serve",
+                    "concurrent clients over HTTP against a live server: tokens/s, TTFT, ITL"),
     "plan": ("k2trt.tools.plan", "split the model over N devices as pipeline stages, by exact bytes"),
     "doctor": ("k2trt.tools.doctor", "check the TensorRT path on this machine: versions, plugins, engines, tokens"),
 }

@@ -13,7 +13,8 @@ Encoding the rendered template with special tokens allowed (as transformers does
 The text encoded is checked to be exactly what the template renders for the real messages, so the ids always
 decode to the template's output; for messages without marker spellings they equal the transformers way
 exactly (a test checks). A template that changes message text (trims it, splits it) would render differently
-around a placeholder than around the text, so it is refused with one line rather than encoded wrongly. This is the encoding for every message list: `k2trt generate --chat`, `k2trt chat` and
+around a placeholder than around the text, so it is refused with one line rather than encoded wrongly.
+This is the encoding for every message list: `k2trt generate --chat`, `k2trt chat` and
 an OpenAI-style server (system / user / assistant roles; content a string or a list of text parts).
 """
 

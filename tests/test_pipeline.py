@@ -21,7 +21,8 @@ from k2trt.errors import K2Error
 from k2trt.runtime.distributed import placement as P
 
 K2TRT = [sys.executable, "-m", "k2trt.cli"]
-PROMPTS = ["The quick brown fox jumps over", "Hello", "Zwölf Boxkämpfer jagen Viktor quer über den großen Sylter Deich."]
+PROMPTS = ["The quick brown fox jumps over", "Hello",
+           "Zwölf Boxkämpfer jagen Viktor quer über den großen Sylter Deich."]
 
 
 # ---- placement --------------------------------------------------------------------------------------------

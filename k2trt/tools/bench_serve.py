@@ -130,8 +130,8 @@ class LiveServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log or tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "k2trt.cli", "serve", *serve_args, "--port", str(self.port)],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        cmd = [sys.executable, "-m", "k2trt.cli", "serve", *serve_args, "--port", str(self.port)]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + startup_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -58,7 +58,8 @@ def render(single: dict | None, piped: dict, stages: int, share: float) -> str:
     if single:
         rows.append(f"{'single process':<22}{single['ms_per_decode_step']:>16}{single['prefill_tokens_per_s']:>15}"
                     f"{single['decode_tokens_per_s']:>14}{'-':>16}")
-    rows.append(f"{f'pipeline, {stages} stages':<22}{piped['ms_per_decode_step']:>16}{piped['prefill_tokens_per_s']:>15}"
+    label = f"pipeline, {stages} stages"
+    rows.append(f"{label:<22}{piped['ms_per_decode_step']:>16}{piped['prefill_tokens_per_s']:>15}"
                 f"{piped['decode_tokens_per_s']:>14}{share:>15.1%}")
     if single and single["ms_per_decode_step"]:
         ratio = piped["ms_per_decode_step"] / single["ms_per_decode_step"]

@@ -50,7 +50,10 @@ def render(plan: P.Plan, source: str) -> str:
     rows += [(str(s.index), s.describe(), P.format_gb(s.weight_bytes), P.format_gb(s.cache_bytes),
               P.format_gb(s.free)) for s in plan.stages]
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    line = lambda r: "  ".join(c.rjust(w) if i >= 2 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+
+    def line(r):  # names left, numbers right
+        return "  ".join(c.rjust(w) if i >= 2 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
     head = (f"{source}: {len(plan.stages)} stages, {P.format_gb(plan.device_memory)} GB per device, "
             f"{P.format_gb(plan.reserve)} GB reserved; heaviest stage {P.format_gb(plan.heaviest.bytes)} GB")
     return "\n".join([head, "", line(rows[0]), line(["-" * w for w in widths])] + [line(r) for r in rows[1:]])

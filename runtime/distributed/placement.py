@@ -5,8 +5,8 @@ Each block weighs its weights and scales (from the safetensors headers, or the w
 latent cache at the requested context and batch; the embedding counts with the first block and the final norm and
 lm_head with the last, so they land on the first and the last stage. The split minimizes the heaviest stage;
 among the splits that do, it takes the most even one (least sum of squared stage sizes), and among those the one
-whose earlier stages are fuller. A stage must fit the device's memory less a reserve (CUDA context, TensorRT scratch, NCCL buffers,
-activations); an infeasible request is refused with the smallest device count that would fit.
+whose earlier stages are fuller. A stage must fit the device's memory less a reserve (CUDA context, TensorRT
+scratch, NCCL buffers, activations); an infeasible request is refused with the smallest device count that fits.
 """
 
 from __future__ import annotations

@@ -268,7 +268,8 @@ def create_app(engine: Engine, tokenizer, config: ServeConfig) -> FastAPI:
         req = handles[0][2].request
         ttft = (req.first_token_at - req.submitted_at) if req.first_token_at else None
         LOG.info("%s %s prompt=%d completion=%d choices=%d finish=%s ttft=%s total=%.3fs", rid,
-                 "chat" if chat else "completion", len(req.prompt), sum(len(h.request.token_ids) for _, _, h in handles),
+                 "chat" if chat else "completion", len(req.prompt),
+                 sum(len(h.request.token_ids) for _, _, h in handles),
                  len(handles), ",".join(sorted({str(h.request.finish_reason) for _, _, h in handles})),
                  "-" if ttft is None else f"{ttft:.3f}s", time.monotonic() - t0)
 

@@ -34,7 +34,8 @@ def require_cuda():
 
     if not torch.cuda.is_available():
         raise MissingDependency("no CUDA GPU is visible to torch (TensorRT engines are built and run on an "
-                                "NVIDIA GPU; install a CUDA build of torch: make install EXTRAS=gpu,serve,dev TORCH=torch)")
+                                "NVIDIA GPU; install a CUDA build of torch: "
+                                "make install EXTRAS=gpu,serve,dev TORCH=torch)")
     return torch
 
 
