@@ -21,4 +21,6 @@ def test_streaming_all_layers_keeps_one_layer_resident(tmp_path):
           f"{r['baseline'] / MB:.0f} MB, peak {r['peak'] / MB:.0f} MB (+{grew / MB:.0f} MB while streaming)")
     assert grew < 2.5 * r["layer"]
     assert r["peak"] < 2.5 * r["layer"] + 400 * MB
-    assert r["peak"] < r["checkpoint"] / 2
+    # Judged by growth, not the absolute peak: the interpreter's own baseline (torch, NumPy) differs by
+    # machine and was 329 MB on CI, a third of the checkpoint before a byte of it was read.
+    assert grew < r["checkpoint"] / 5
