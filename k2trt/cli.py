@@ -76,9 +76,21 @@ def _main(argv: list[str]) -> int:
         return int(module.run(args) or 0)
     except K2Error as e:
         return _fail(known.command, " ".join(str(e).splitlines()))  # one line, whatever the message quotes
+    except BrokenPipeError:  # `k2trt plan | head`: the reader left, which is not an error of ours
+        return _reader_gone()
     except OSError as e:  # a path the user gave that cannot be read or written
         where = f": {e.filename}" if e.filename else ""
         return _fail(known.command, f"{e.strerror or e}{where}")
+
+
+def _reader_gone() -> int:
+    """Quiet exit when stdout's reader closed the pipe; stdout is pointed at /dev/null so that the interpreter's
+    final flush does not raise again (the recipe in Python's `signal` documentation)."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 141  # 128 + SIGPIPE, what a shell reports for a command killed by the same event
 
 
 def _fail(command: str, message: str) -> int:

@@ -337,6 +337,23 @@ def test_interrupt_while_the_subcommand_imports_is_one_line(tiny_ckpt, tmp_path)
     assert [line for line in err.splitlines() if line.strip()] == ["k2trt generate: interrupted"]
 
 
+def test_a_reader_that_leaves_early_ends_the_command_quietly():
+    """`k2trt plan ... | head -1`: the closed pipe is no error of ours — no traceback, no error line."""
+    import os
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has already gone when the first line is written
+    try:
+        done = subprocess.run([sys.executable, "-m", "k2trt.cli", "plan", "--preset", "kimi-k2", "--devices", "8",
+                               "--device-memory", "141GB"], stdout=write_end, stderr=subprocess.PIPE, text=True,
+                              timeout=120)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141 and done.stderr == "", done.stderr
+
+
 # ---- 8. interrupted and concurrent writes ------------------------------------------------------------
 
 def _k2trt(*argv: str):
