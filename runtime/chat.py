@@ -48,7 +48,7 @@ def run(args) -> int:
             print(f"k2trt chat: error: {e} (this message was not sent; /reset starts over)", file=sys.stderr)
             continue
         history = turn
-        printer = StreamPrinter(tok.stream_decoder(), args.stop)
+        printer = StreamPrinter(tok.stream_decoder(), args.stop, skip_ids=gen.stop_ids)
         progress = PrefillProgress([prompt], gen.prefill_chunk, "k2trt chat")
 
         def on_prefill(request) -> None:
@@ -59,7 +59,7 @@ def run(args) -> int:
 
         results, timings = gen.generate(
             [prompt], args.max_new_tokens, params,
-            on_token=lambda s, t: printer.feed(t) if t not in gen.stop_ids else None, on_prefill=on_prefill)
+            on_token=lambda s, t: printer.feed(t), on_prefill=on_prefill)
         printer.finish()
         reply = tok.decode(visible_ids(results[0].token_ids, gen.stop_ids))
         history.append({"role": "assistant", "content": reply})

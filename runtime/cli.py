@@ -11,6 +11,7 @@ from k2trt.args import seed
 from k2trt.errors import K2Error
 from k2trt.runtime.loader import add_model_arguments, launch_if_asked, load, make_generator, progress_line
 from k2trt.runtime.sampling import SamplingParams
+from k2trt.runtime.text_stream import StopMatcher, TextStream, cut_at_stop
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,51 +44,24 @@ def sampling_from(args) -> SamplingParams:
     return params
 
 
-class StopStrings:
-    """stop_check for the generator: a sequence ends once its decoded text contains a stop string."""
-
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tokenizer, self.stops = tokenizer, [s for s in stops if s]
-
-    def __call__(self, seq: int, ids: list[int]) -> bool:
-        text = self.tokenizer.decode(ids)
-        return any(s in text for s in self.stops)
-
-    def cut(self, text: str) -> str:
-        ends = [text.index(s) for s in self.stops if s in text]
-        return text[:min(ends)] if ends else text
-
-
 class StreamPrinter:
-    """Prints text as tokens arrive, holding back just enough characters that a stop string can be cut
-    before any of it reaches the terminal; never splits a UTF-8 character (StreamDecoder)."""
+    """Writes a TextStream to the terminal as tokens arrive: a stop string is cut before any of it is shown, a
+    UTF-8 character is never split, stop tokens are never shown."""
 
-    def __init__(self, decoder, stops: list[str], out=None):
-        self.decoder, self.stops, self.out = decoder, stops, out or sys.stdout  # the stdout of now, not of import
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.pending, self.stopped = "", False
+    def __init__(self, decoder, stops: list[str], out=None, skip_ids=()):
+        self.stream = TextStream(decoder, stops, skip_ids)
+        self.out = out or sys.stdout  # the stdout of now, not of import
 
     def _write(self, text: str) -> None:
-        self.out.write(text)
-        self.out.flush()
+        if text:
+            self.out.write(text)
+            self.out.flush()
 
     def feed(self, token: int) -> None:
-        if self.stopped:
-            return
-        self.pending += self.decoder.feed(token)
-        hits = [self.pending.index(s) for s in self.stops if s in self.pending]
-        if hits:
-            self._write(self.pending[:min(hits)])
-            self.pending, self.stopped = "", True
-        elif len(self.pending) > self.hold:
-            cut = len(self.pending) - self.hold
-            self._write(self.pending[:cut])
-            self.pending = self.pending[cut:]
+        self._write(self.stream.feed(token))
 
     def finish(self) -> None:
-        if not self.stopped:
-            self._write(self.pending + self.decoder.flush())
-        self._write("\n")
+        self._write(self.stream.finish() + "\n")
 
 
 class PrefillProgress:
@@ -141,19 +115,17 @@ def run(args) -> int:
     tok = loaded.tokenizer
     prompts = encode_requests(tok, args)
     gen = make_generator(loaded, args.max_context, extra_stop_ids=args.stop_token_id)
-    stops = StopStrings(tok, args.stop)
+    matchers = [StopMatcher(tok, args.stop) for _ in prompts]  # one per sequence: each follows its own text
     # one request streams as it goes; a batch prints each sequence when all are done
-    printer = StreamPrinter(tok.stream_decoder(), stops.stops) if len(prompts) == 1 and not args.json else None
+    printer = StreamPrinter(tok.stream_decoder(), args.stop, skip_ids=gen.stop_ids) \
+        if len(prompts) == 1 and not args.json else None
 
-    def on_token(seq: int, token: int) -> None:
-        if printer is not None and token not in gen.stop_ids:
-            printer.feed(token)
-
-    results, timings = gen.generate(prompts, args.max_new_tokens, params, on_token=on_token,
-                                    stop_check=stops if stops.stops else None,
+    results, timings = gen.generate(prompts, args.max_new_tokens, params,
+                                    on_token=None if printer is None else lambda seq, token: printer.feed(token),
+                                    stop_check=(lambda seq, ids: matchers[seq](ids)) if matchers[0].stops else None,
                                     on_prefill=PrefillProgress(prompts, gen.prefill_chunk))
     loaded.close()
-    texts = [stops.cut(tok.decode(visible_ids(r.token_ids, gen.stop_ids))) for r in results]
+    texts = [cut_at_stop(tok.decode(visible_ids(r.token_ids, gen.stop_ids)), args.stop) for r in results]
     t = timings.as_dict()
     if args.json:
         objs = [{"backend": loaded.backend.name, "prompt_token_ids": r.prompt_ids, "token_ids": r.token_ids,

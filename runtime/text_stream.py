@@ -3,7 +3,8 @@
 `TextStream.feed(id)` returns the text that can be shown now: a UTF-8 character split across tokens is held until
 complete, and just enough characters are held back that a stop string can be cut before any of it is shown. Once a
 stop string appears the stream is `stopped` and shows nothing more. `StopMatcher` is the same test for the
-scheduler's thread: whether the text so far contains a stop string, checked on the new tail only.
+scheduler's thread: whether the text so far contains a stop string, checked on the new tail only. Both serve
+`k2trt generate`, `k2trt chat` and the server.
 """
 
 from __future__ import annotations
@@ -15,14 +16,13 @@ class StopMatcher:
     def __init__(self, tokenizer, stops: list[str]):
         self.stops = [s for s in stops if s]
         self.decoder = tokenizer.stream_decoder()
-        self.text = ""
-        self.longest = max((len(s) for s in self.stops), default=0)
+        self.keep = max((len(s) for s in self.stops), default=1) - 1
+        self.tail = ""  # the last keep characters: a stop string ending in the new piece starts no earlier
 
     def __call__(self, ids: list[int]) -> bool:
-        piece = self.decoder.feed(ids[-1])
-        start = max(0, len(self.text) - self.longest + 1)
-        self.text += piece
-        return any(s in self.text[start:] for s in self.stops)
+        window = self.tail + self.decoder.feed(ids[-1])
+        self.tail = window[-self.keep:] if self.keep else ""
+        return any(s in window for s in self.stops)
 
 
 def cut_at_stop(text: str, stops: list[str]) -> str:
@@ -31,8 +31,8 @@ def cut_at_stop(text: str, stops: list[str]) -> str:
 
 
 class TextStream:
-    def __init__(self, tokenizer, stops: list[str], skip_ids=()):
-        self.decoder = tokenizer.stream_decoder()
+    def __init__(self, decoder, stops: list[str], skip_ids=()):
+        self.decoder = decoder  # tokenizer.stream_decoder()
         self.stops = [s for s in stops if s]
         self.skip_ids = set(skip_ids)  # stop tokens: generated, never shown
         self.hold = max((len(s) for s in self.stops), default=1) - 1

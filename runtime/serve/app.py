@@ -187,7 +187,7 @@ def create_app(engine: Engine, tokenizer, config: ServeConfig) -> FastAPI:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_stream(request, handles, rid, kind, body.model, stops, chat, include_usage, t0),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        streams = {i: TextStream(tokenizer, stops, engine.scheduler.stop_ids + h.request.stop_ids)
+        streams = {i: TextStream(tokenizer.stream_decoder(), stops, engine.scheduler.stop_ids + h.request.stop_ids)
                    for _, i, h in handles}
         texts = {i: "" for _, i, _ in handles}
         try:
@@ -220,7 +220,7 @@ def create_app(engine: Engine, tokenizer, config: ServeConfig) -> FastAPI:
 
     async def _stream(request, handles, rid, kind, model, stops, chat, include_usage, t0):
         created = P.now()
-        streams = {i: TextStream(tokenizer, stops, engine.scheduler.stop_ids + h.request.stop_ids)
+        streams = {i: TextStream(tokenizer.stream_decoder(), stops, engine.scheduler.stop_ids + h.request.stop_ids)
                    for _, i, h in handles}
 
         def chunk(choices, usage=None):
