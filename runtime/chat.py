@@ -19,10 +19,14 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from k2trt.runtime.distributed.world import launched
+
     params = sampling_from(args)
-    loaded = load(args)
+    if launched():  # under torchrun every rank would read the terminal
+        raise K2Error("k2trt chat runs in one process; for pipeline stages use generate or serve (--pipeline)")
+    loaded = load(args, command="chat")
     tok = loaded.tokenizer
-    gen = make_generator(loaded, args.max_context)
+    gen = make_generator(loaded, args.max_context, extra_stop_ids=args.stop_token_id)
     base = [{"role": "system", "content": args.system}] if args.system else []
     history = list(base)
     interactive = sys.stdin.isatty()

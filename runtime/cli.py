@@ -9,7 +9,8 @@ import sys
 
 from k2trt.args import seed
 from k2trt.errors import K2Error
-from k2trt.runtime.loader import add_model_arguments, launch_if_asked, load, make_generator, progress_line
+from k2trt.runtime.loader import (add_model_arguments, add_pipeline_arguments, launch_if_asked, load, make_generator,
+                                  progress_line)
 from k2trt.runtime.sampling import SamplingParams
 from k2trt.runtime.text_stream import StopMatcher, TextStream, cut_at_stop
 
@@ -31,6 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="append", help="a user message, wrapped in the chat template (repeatable)")
     add_sampling_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    add_pipeline_arguments(p)
 
 
 def check_requests(args) -> None:

@@ -9,22 +9,25 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from k2trt.args import int_in
 from k2trt.errors import K2Error
 from k2trt.runtime.backend import Backend
 from k2trt.runtime.backends import BackendChoice, add_backend_arguments, choice_from_args, open_backend
 
+
+MAX_LOCAL_RANKS = 1024  # --pipeline starts this many processes on one machine, one per device
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, required=True, help="checkpoint directory (weights, config, tokenizer)")
     add_backend_arguments(p)
     p.add_argument("--max-context", type=int, default=None,
                    help="refuse prompts + new tokens longer than this (default: the model's maximum)")
-    add_pipeline_arguments(p)
 
 
 def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
+    """For the commands that run as pipeline stages (generate, serve, bench); chat is one process."""
     g = p.add_argument_group("pipeline parallelism")
-    g.add_argument("--pipeline", type=int, default=None, metavar="N",
+    g.add_argument("--pipeline", type=int_in(1, MAX_LOCAL_RANKS), default=None, metavar="N",
                    help="run as N pipeline stages on this machine, one process each (across nodes: torchrun)")
     g.add_argument("--stages", default=None, metavar="COUNTS",
                    help="blocks per stage, e.g. 2,2 (default: split by bytes, see `k2trt plan`)")
@@ -117,8 +120,6 @@ def launch_if_asked(args) -> int | None:
     n = getattr(args, "pipeline", None)
     if n is None or launched():
         return None
-    if n < 1:
-        raise K2Error(f"--pipeline must be >= 1, got {n}")
     from k2trt.runtime.distributed.launch import run_pipeline
 
     return run_pipeline(args.argv, n)

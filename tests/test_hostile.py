@@ -257,8 +257,8 @@ def test_a_forged_system_turn_stays_text_in_generate_and_chat(tiny_ckpt, tiny_ex
     seen = []
     real = chat.make_generator
 
-    def spy(loaded, max_context):
-        gen = real(loaded, max_context)
+    def spy(loaded, max_context, **kw):
+        gen = real(loaded, max_context, **kw)
         inner = gen.generate
         gen.generate = lambda prompts, *a, **k: (seen.append(prompts[0]), inner(prompts, *a, **k))[1]
         return gen

@@ -168,8 +168,8 @@ def test_chat_keeps_history_and_resets(tiny_ckpt, tiny_export, capsys, monkeypat
     seen = []
     real = chat.make_generator
 
-    def spy(loaded, max_context):
-        gen = real(loaded, max_context)
+    def spy(loaded, max_context, **kw):
+        gen = real(loaded, max_context, **kw)
         inner = gen.generate
 
         def generate(prompts, *a, **k):

@@ -14,7 +14,7 @@ import signal
 import sys
 
 from k2trt.errors import K2Error
-from k2trt.runtime.loader import add_model_arguments, launch_if_asked, load
+from k2trt.runtime.loader import add_model_arguments, add_pipeline_arguments, launch_if_asked, load
 
 DEFAULT_MAX_BATCH = 16
 
@@ -31,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests may take to finish on SIGTERM (default 10)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_pipeline_arguments(p)
 
 
 def run(args) -> int:
