@@ -41,6 +41,8 @@ class ReferenceModel:
         self._cache_weights = cache_weights
         self._layer_w: dict[int, dict] = {}
         self._global_w: dict = {}
+        self.global_names = {"embedding": [s.name for s in embedding_weight_specs(self.cfg)],
+                             "head": [s.name for s in head_weight_specs(self.cfg)]}
 
     def _globals(self, *names: str) -> dict:
         """The named global tensors, read on first use (a pipeline stage reads only its own)."""
@@ -59,8 +61,7 @@ class ReferenceModel:
 
     @torch.no_grad()
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return blocks.embedding(self.ops, input_ids,
-                                self._globals(*(s.name for s in embedding_weight_specs(self.cfg))))
+        return blocks.embedding(self.ops, input_ids, self._globals(*self.global_names["embedding"]))
 
     @torch.no_grad()
     def block(self, layer: int, hidden, rope_cos, rope_sin, mask, latent_cache):
@@ -71,7 +72,7 @@ class ReferenceModel:
 
     @torch.no_grad()
     def head(self, hidden):
-        return blocks.head(self.ops, self.cfg, hidden, self._globals(*(s.name for s in head_weight_specs(self.cfg))))
+        return blocks.head(self.ops, self.cfg, hidden, self._globals(*self.global_names["head"]))
 
     # ---- whole-model conveniences -----------------------------------------------------------------
     @torch.no_grad()

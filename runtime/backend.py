@@ -86,6 +86,17 @@ def prepare_order(layers: Iterable[int] | None, num_layers: int, embedding: bool
     return (["embedding"] if embedding else []) + chosen + (["head"] if head else [])
 
 
+def prepare_each(bind: Callable[[int | str, str], object], cfg: K2Config, layers: Iterable[int] | None,
+                 embedding: bool, head: bool, progress: Progress | None) -> None:
+    """Backend.prepare's loop: bind(item, kind) for each item of prepare_order (kind: the block kind of a layer,
+    else the item itself), then progress(done, total, what)."""
+    order = prepare_order(layers, cfg.num_hidden_layers, embedding, head)
+    for i, item in enumerate(order, 1):
+        bind(item, cfg.layer_kind(item) if isinstance(item, int) else item)
+        if progress:
+            progress(i, len(order), f"layer {item}" if isinstance(item, int) else item)
+
+
 class BackendWrapper:
     """A backend that forwards every part of the contract to another: subclass it to watch or change one call
     (the compare tool's recorder, fault injection in tests)."""

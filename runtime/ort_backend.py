@@ -19,7 +19,7 @@ from k2trt.errors import K2Error, MissingDependency
 from k2trt.export.manifest import check_matches, graph_file, graph_path, read_manifest
 from k2trt.graphs.fp8 import WEIGHT_DEQUANT
 from k2trt.graphs.mask import MASK_NEG
-from k2trt.runtime.backend import BackendLimits, Progress, WeightSource, prepare_order
+from k2trt.runtime.backend import BackendLimits, Progress, WeightSource, prepare_each
 from k2trt.runtime.graph_weights import graph_weights, source_names
 
 KINDS = ("embedding", "dense_block", "moe_block", "head")
@@ -140,14 +140,8 @@ class OrtBackend:
 
     def prepare(self, layers: Iterable[int] | None = None, *, embedding: bool = True, head: bool = True,
                 progress: Progress | None = None) -> None:
-        order = prepare_order(layers, self.cfg.num_hidden_layers, embedding, head)
-        for i, item in enumerate(order, 1):
-            if isinstance(item, int):
-                self._layer(item, self.cfg.layer_kind(item), item)
-            else:
-                self._layer(item, item, None)
-            if progress:
-                progress(i, len(order), f"layer {item}" if isinstance(item, int) else item)
+        prepare_each(lambda item, kind: self._layer(item, kind, item if isinstance(item, int) else None),
+                     self.cfg, layers, embedding, head, progress)
 
     def standalone_onnx(self, kind: str, layer: int | None) -> onnx.ModelProto:
         model = onnx.load(str(graph_path(self.export_dir, self.entries[kind])))

@@ -8,7 +8,7 @@ import torch
 
 from k2trt.graphs.fp8 import WEIGHT_DEQUANT
 from k2trt.graphs.reference import ReferenceModel
-from k2trt.runtime.backend import BackendLimits, Progress, WeightSource, prepare_order
+from k2trt.runtime.backend import BackendLimits, Progress, WeightSource, prepare_each
 
 
 class TorchBackend(ReferenceModel):
@@ -22,12 +22,13 @@ class TorchBackend(ReferenceModel):
 
     def prepare(self, layers: Iterable[int] | None = None, *, embedding: bool = True, head: bool = True,
                 progress: Progress | None = None) -> None:
-        # the embedding and head weights are read when the model is made
-        order = [i for i in prepare_order(layers, self.cfg.num_hidden_layers, False, False)]
-        for i, layer in enumerate(order, 1):
-            self.layer_weights(layer)
-            if progress:
-                progress(i, len(order), f"layer {layer}")
+        prepare_each(self._bind, self.cfg, layers, embedding, head, progress)
+
+    def _bind(self, item: int | str, kind: str) -> None:
+        if isinstance(item, int):
+            self.layer_weights(item)
+        else:
+            self._globals(*self.global_names[item])
 
     def session_seconds(self) -> None:
         return None  # eager torch: the backend calls are the computation

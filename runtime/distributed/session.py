@@ -3,6 +3,7 @@ rank is ready, then lead (rank 0: the command runs with a PipelineExecutor) or f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, replace
@@ -10,6 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from k2trt.graphs.weights import checkpoint_specs, global_specs, layer_prefix, layer_specs
+from k2trt.runtime.backend import prepare_order
 from k2trt.runtime.backends import BackendChoice, open_backend
 from k2trt.runtime.distributed import placement as P
 from k2trt.runtime.distributed.pipeline import PipelineExecutor, follow
@@ -102,19 +104,13 @@ def load_rank(ckpt, choice: BackendChoice, counts: list[int] | None, timeout_s: 
     else:
         choice = replace(choice, device=world.local_rank)
     sizes = P.load_sizes(cfg, checkpoint_specs(cfg))
-    order = (["embedding"] if stage.first else []) + stage.layers + (["head"] if stage.last else [])
+    order = prepare_order(stage.layers, cfg.num_hidden_layers, stage.first, stage.last)
     reporter = LoadReporter(world, [sizes[k] for k in order])
-    board = ProgressBoard(world) if world.first else None
-    try:
-        if board:
-            board.__enter__()
+    with ProgressBoard(world) if world.first else contextlib.nullcontext():  # rank 0 shows every rank's load
         backend = open_backend(choice, ckpt)
         backend.prepare(stage.layers, embedding=stage.first, head=stage.last, progress=reporter)
         reporter.ready()
         world.wait_for([ready_key(r) for r in range(world.size)], LOAD_TIMEOUT_S)
-    finally:
-        if board:
-            board.__exit__(None, None, None)
     executor = StageExecutor(backend, cfg, stage.layers, first=stage.first, last=stage.last)
     leader = PipelineExecutor(world, executor) if world.first else None
     return backend, RankSession(world, stage, executor, leader)

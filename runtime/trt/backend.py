@@ -25,7 +25,7 @@ from k2trt.errors import K2Error
 from k2trt.export.block_graphs import KINDS
 from k2trt.export.manifest import read_manifest
 from k2trt.dtypes import torch_dtype
-from k2trt.runtime.backend import BackendLimits, Progress, WeightSource, prepare_order
+from k2trt.runtime.backend import BackendLimits, Progress, WeightSource, prepare_each
 from k2trt.runtime.graph_weights import graph_weights, source_names
 from k2trt.runtime.trt import engine_manifest as EM
 from k2trt.runtime.trt import environment
@@ -184,11 +184,7 @@ class TrtBackend:
 
     def prepare(self, layers: Iterable[int] | None = None, *, embedding: bool = True, head: bool = True,
                 progress: Progress | None = None) -> None:
-        order = prepare_order(layers, self.cfg.num_hidden_layers, embedding, head)
-        for i, item in enumerate(order, 1):
-            self.layer_weights(item, self.cfg.layer_kind(item) if isinstance(item, int) else item)
-            if progress:
-                progress(i, len(order), f"layer {item}" if isinstance(item, int) else item)
+        prepare_each(self.layer_weights, self.cfg, layers, embedding, head, progress)
 
     def session_seconds(self) -> None:
         return None  # enqueues are asynchronous: the time inside TensorRT is not separable on the host
