@@ -125,9 +125,9 @@ def launch_if_asked(args) -> int | None:
     return run_pipeline(args.argv, n)
 
 
-def make_generator(loaded: Loaded, max_context: int | None, extra_stop_ids=()):
+def make_generator(loaded: Loaded, max_context: int | None, extra_stop_ids=(), max_batch: int | None = None):
     from k2trt.runtime.generator import Generator
 
     stop_ids = tuple(loaded.tokenizer.stop_ids) + tuple(extra_stop_ids)
     return Generator(loaded.backend, loaded.config, stop_ids=stop_ids, max_context=max_context,
-                     executor=loaded.executor)
+                     max_batch=max_batch, executor=loaded.executor)

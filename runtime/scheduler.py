@@ -152,7 +152,8 @@ class Scheduler:
         req.sampling.validate()
 
     def submit(self, req: Request) -> Request:
-        self.check(req)
+        """Queue a request its submitter has check()ed: generate checks every prompt before it submits any, the
+        server before it answers (on the event loop, so a bad request never reaches the scheduler's thread)."""
         self.waiting.append(req)
         return req
 

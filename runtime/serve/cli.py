@@ -14,7 +14,7 @@ import signal
 import sys
 
 from k2trt.errors import K2Error
-from k2trt.runtime.loader import add_model_arguments, add_pipeline_arguments, launch_if_asked, load
+from k2trt.runtime.loader import add_model_arguments, add_pipeline_arguments, launch_if_asked, load, make_generator
 
 DEFAULT_MAX_BATCH = 16
 
@@ -60,20 +60,12 @@ def run(args) -> int:
 def serve(args, loaded) -> int:
     import uvicorn
 
-    from k2trt.runtime.executor import StageExecutor
-    from k2trt.runtime.generator import context_limit
-    from k2trt.runtime.scheduler import DEFAULT_PREFILL_CHUNK, Scheduler
     from k2trt.runtime.serve.app import ServeConfig, create_app
     from k2trt.runtime.serve.engine import Engine
 
-    cfg, backend = loaded.config, loaded.backend
-    max_context = context_limit(cfg, backend, args.max_context)
-    limits = backend.limits
-    slots = min(x for x in (args.max_batch, limits.max_batch) if x)
-    chunk = min(x for x in (DEFAULT_PREFILL_CHUNK, limits.max_tokens_per_step) if x)
-    executor = loaded.executor or StageExecutor(backend, cfg)
-    scheduler = Scheduler(executor, cfg, max_slots=slots, max_context=max_context,
-                          stop_ids=tuple(loaded.tokenizer.stop_ids), prefill_chunk=chunk)
+    # the generator's scheduler, limits and stop tokens, driven by the engine's thread instead of generate()
+    gen = make_generator(loaded, args.max_context, max_batch=args.max_batch)
+    scheduler, max_context = gen.scheduler, gen.max_context
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     from k2trt.runtime.distributed.world import DEFAULT_TIMEOUT_S
