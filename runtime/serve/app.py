@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import random
 import time
 from dataclasses import dataclass
@@ -86,7 +85,7 @@ class _TooBig(Exception):
 def create_app(engine: Engine, tokenizer, config: ServeConfig) -> FastAPI:
     app = FastAPI(title="k2trt", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
-    metrics = Metrics(engine, config.model_name)
+    metrics = Metrics(engine)
     engine.on_done = metrics.generation_done
     app.state.engine, app.state.metrics = engine, metrics
 
@@ -140,13 +139,15 @@ def create_app(engine: Engine, tokenizer, config: ServeConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: P.ChatCompletionRequest, request: Request):
         _check_model(body.model, config)
-        prompt = chat_prompt(tokenizer, body.messages)
+        # rendering and tokenizing a 4 MiB body takes a while: off the event loop, which streams every request
+        prompt = await asyncio.to_thread(chat_prompt, tokenizer, body.messages)
         return await _generate(request, body, [prompt], chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: P.CompletionRequest, request: Request):
         _check_model(body.model, config)
-        prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
+        prompts = await asyncio.to_thread(
+            lambda: [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()])
         return await _generate(request, body, prompts, chat=False)
 
     # ---- generation -------------------------------------------------------------------------------------
@@ -187,8 +188,7 @@ def create_app(engine: Engine, tokenizer, config: ServeConfig) -> FastAPI:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_stream(request, handles, rid, kind, body.model, stops, chat, include_usage, t0),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        streams = {i: TextStream(tokenizer.stream_decoder(), stops, engine.scheduler.stop_ids + h.request.stop_ids)
-                   for _, i, h in handles}
+        streams = _text_streams(handles, stops)
         texts = {i: "" for _, i, _ in handles}
         try:
             for _, i, h in handles:
@@ -201,6 +201,11 @@ def create_app(engine: Engine, tokenizer, config: ServeConfig) -> FastAPI:
         _finish_log(handles, rid, t0, chat)
         return {"id": rid, "object": kind, "created": P.now(), "model": body.model, "choices": choices,
                 "usage": _usage(handles)}
+
+    def _text_streams(handles, stops: list[str]) -> dict[int, TextStream]:
+        """Each choice's text as its tokens arrive; stop tokens (the model's and the request's) are never shown."""
+        return {i: TextStream(tokenizer.stream_decoder(), stops, engine.scheduler.stop_ids + h.request.stop_ids)
+                for _, i, h in handles}
 
     async def _tokens(request: Request, handle: Handle):
         """A request's tokens as they come; cancels it if the client goes away."""
@@ -220,8 +225,7 @@ def create_app(engine: Engine, tokenizer, config: ServeConfig) -> FastAPI:
 
     async def _stream(request, handles, rid, kind, model, stops, chat, include_usage, t0):
         created = P.now()
-        streams = {i: TextStream(tokenizer.stream_decoder(), stops, engine.scheduler.stop_ids + h.request.stop_ids)
-                   for _, i, h in handles}
+        streams = _text_streams(handles, stops)
 
         def chunk(choices, usage=None):
             d = {"id": rid, "object": f"{kind}.chunk" if chat else kind, "created": created, "model": model,
@@ -256,9 +260,7 @@ def create_app(engine: Engine, tokenizer, config: ServeConfig) -> FastAPI:
                         yield chunk([_delta(i, text, None, chat)])
                     pending[asyncio.ensure_future(anext(queues[i]))] = i
             if include_usage:
-                d = {"id": rid, "object": f"{kind}.chunk" if chat else kind, "created": created, "model": model,
-                     "choices": [], "usage": _usage(handles)}
-                yield f"data: {json.dumps(d)}\n\n"
+                yield chunk([], _usage(handles))
             yield "data: [DONE]\n\n"
             _finish_log(handles, rid, t0, chat)
         finally:
@@ -333,5 +335,3 @@ def _usage(handles) -> dict:
         prompts[pi] = len(h.request.prompt)
     return P.usage(sum(prompts.values()), sum(len(h.request.token_ids) for _, _, h in handles))
 
-
-logging.getLogger("k2trt.serve").setLevel(logging.INFO)

@@ -16,9 +16,9 @@ _LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 6
 
 
 class Metrics:
-    def __init__(self, engine, model: str):
+    def __init__(self, engine):
         self.registry = CollectorRegistry()
-        r, labels = self.registry, {"model_name": model}
+        r = self.registry
         self.requests = Counter("k2trt:requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
                                 registry=r)
         self.prompt_tokens = Counter("k2trt:prompt_tokens", "prompt tokens prefilled", registry=r)
@@ -35,7 +35,6 @@ class Metrics:
         waiting = Gauge("k2trt:num_requests_waiting", "requests waiting for a slot", registry=r)
         running.set_function(lambda: engine.running)
         waiting.set_function(lambda: engine.waiting)
-        self.labels = labels
 
     def request_done(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
