@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from k2trt.errors import K2Error
+from k2trt.errors import READER_GONE, K2Error
 
 # subcommand -> (module, one-line help). Each module has add_arguments(parser) and run(args) -> int.
 COMMANDS = {
@@ -90,7 +90,7 @@ def _reader_gone() -> int:
 
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
-    return 141  # 128 + SIGPIPE, what a shell reports for a command killed by the same event
+    return READER_GONE
 
 
 def _fail(command: str, message: str) -> int:

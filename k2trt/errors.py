@@ -1,5 +1,9 @@
 """Errors the CLI reports as one line and a non-zero exit (anything else is a bug and keeps its traceback)."""
 
+# The exit status of a command whose stdout reader closed the pipe (`k2trt plan | head`): 128 + SIGPIPE, what a
+# shell reports for a command killed by the same event. Not a failure: nothing is printed.
+READER_GONE = 141
+
 
 class K2Error(Exception):
     """A user-facing error: bad input, a missing file or package, a mismatched artefact."""

@@ -17,8 +17,8 @@ import sys
 import time
 from datetime import timedelta
 
-from k2trt.errors import K2Error
-from k2trt.runtime.distributed.world import STORE_ENV, failure_key, first_failure
+from k2trt.errors import READER_GONE, K2Error
+from k2trt.runtime.distributed.world import STORE_ENV, cpu_threads, failures, first_failure
 
 GRACE_S = 5.0
 
@@ -41,17 +41,8 @@ def _rank_env(rank: int, size: int, store_port: int) -> dict:
     env.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(size),
                MASTER_ADDR="127.0.0.1", **{STORE_ENV: f"127.0.0.1:{store_port}"})
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: loopback, whatever the hostname resolves to
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // size)))
+    env.setdefault("OMP_NUM_THREADS", str(cpu_threads(size)))
     return env
-
-
-def _failure(store, rank: int) -> str | None:
-    try:
-        if store.check([failure_key(rank)]):
-            return store.get(failure_key(rank)).decode()
-    except Exception:
-        pass
-    return None
 
 
 def _end(procs: list[subprocess.Popen]) -> None:
@@ -97,6 +88,9 @@ def run_pipeline(argv: list[str], size: int) -> int:
                 if time.monotonic() - stopping[0] > 60:  # the stages did not end in order: end them
                     _end(procs)
                     return codes[0] if codes[0] is not None else 1
+            elif codes[0] == READER_GONE:  # rank 0's reader left (`... | head`): not a failure, end quietly
+                _end(procs)
+                return READER_GONE
             else:
                 failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
                 if failed:
@@ -114,7 +108,7 @@ def run_pipeline(argv: list[str], size: int) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     _end(procs)
-    first = first_failure({r: m for r in range(size) if (m := _failure(store, r))})
+    first = first_failure(failures(store, size))
     if first:
         raise K2Error(f"rank {first[0]}: {first[1]}")
     r, code = failed[0]

@@ -56,10 +56,6 @@ def decode_plan(blob: bytes) -> StepPlan | None:
     return StepPlan(**d, ops=ops)
 
 
-class PeerLost(Exception):
-    """A send, receive or broadcast failed: another rank went away (gloo and NCCL say so with RuntimeError)."""
-
-
 class Transport:
     """The step's messages over a World's groups, with the time spent in them."""
 
@@ -68,13 +64,16 @@ class Transport:
         self.seconds = 0.0
 
     def _timed(self, fn, *args, **kwargs):
+        """A send, receive or broadcast; one that fails (gloo and NCCL raise RuntimeError) means another rank went
+        away, and becomes the one line that says which and why."""
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         except RuntimeError as e:
-            raise PeerLost(str(e)) from None
+            lost = e
         finally:
             self.seconds += time.perf_counter() - t0
+        raise self.world.lost_contact(lost) from None
 
     def broadcast_plan(self, plan: StepPlan | None = None) -> StepPlan | None:
         g = self.world.cpu_group
@@ -150,10 +149,7 @@ class PipelineExecutor:
         self.clock = stage.clock
 
     def run(self, plan: StepPlan) -> list[int | None]:
-        try:
-            return self.part.timed_step(plan)[1]
-        except PeerLost as e:
-            raise self.part.world.lost_contact(e) from None
+        return self.part.timed_step(plan)[1]
 
     def session_seconds(self) -> float | None:
         return self.part.stage.session_seconds()
@@ -163,19 +159,13 @@ class PipelineExecutor:
         return self.part.transport.seconds
 
     def shutdown(self) -> None:
-        try:
-            self.part.transport.broadcast_plan(None)
-        except PeerLost as e:
-            raise self.part.world.lost_contact(e) from None
+        self.part.transport.broadcast_plan(None)
 
 
 def follow(world: World, stage: StageExecutor) -> PipelineStage:
     """A rank other than 0: run every step rank 0 plans, until it says stop. Returns the stage (its timings)."""
     part = PipelineStage(world, stage)
-    try:
-        while True:
-            plan, _ = part.timed_step()
-            if plan is None:
-                return part
-    except PeerLost as e:
-        raise world.lost_contact(e) from None
+    while True:
+        plan, _ = part.timed_step()
+        if plan is None:
+            return part

@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 
-from k2trt.runtime.distributed.world import World
+from k2trt.runtime.distributed.world import World, read_key
 
 
 def progress_key(rank: int) -> str:
@@ -53,10 +53,7 @@ def rank_progress(world: World) -> list[tuple[str, float | None]]:
     """(line, share done or None before the rank reports) for every rank."""
     out = []
     for r in range(world.size):
-        try:
-            raw = world.store.get(progress_key(r)) if world.store.check([progress_key(r)]) else None
-        except Exception:  # the store is going away with the pipeline
-            raw = None
+        raw = read_key(world.store, progress_key(r))
         if raw is None:
             out.append((f"rank {r}: starting", None))
             continue

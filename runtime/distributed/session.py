@@ -16,7 +16,7 @@ from k2trt.runtime.backends import BackendChoice, open_backend
 from k2trt.runtime.distributed import placement as P
 from k2trt.runtime.distributed.pipeline import PipelineExecutor, follow
 from k2trt.runtime.distributed.progress import LoadReporter, ProgressBoard, ready_key
-from k2trt.runtime.distributed.world import LOAD_TIMEOUT_S, World, join
+from k2trt.runtime.distributed.world import LOAD_TIMEOUT_S, World, cpu_threads, join
 from k2trt.runtime.executor import StageExecutor
 
 UNLIMITED = 1 << 62  # no memory check on the split itself: the backend fails loudly if a stage does not fit
@@ -59,11 +59,6 @@ def stage_tensors(cfg, stage: P.Stage) -> list[str]:
     for layer in stage.layers:
         names += [layer_prefix(layer) + s.name for s in layer_specs(cfg, layer)]
     return names + ([norm.name, head.name] if stage.last else [])
-
-
-def cpu_threads(world_size_here: int) -> int:
-    """Threads per rank when several ranks share this machine's cores."""
-    return max(1, (os.cpu_count() or 1) // max(1, world_size_here))
 
 
 @dataclass

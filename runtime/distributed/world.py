@@ -49,6 +49,34 @@ def first_failure(records: dict[int, str]) -> tuple[int, str] | None:
     return r, parsed[r]["message"]
 
 
+def read_key(store: dist.Store, key: str) -> bytes | None:
+    """The key's value, or None when it is not set or the store's host has gone with the pipeline."""
+    try:
+        return store.get(key) if store.check([key]) else None
+    except Exception:
+        return None
+
+
+def failures(store: dist.Store, size: int) -> dict[int, str]:
+    """rank -> failure record, of every rank that has written one."""
+    return {r: raw.decode() for r in range(size) if (raw := read_key(store, failure_key(r))) is not None}
+
+
+def failed_error(first: tuple[int, str]) -> K2Error:
+    return K2Error(f"rank {first[0]} failed: {first[1]}")
+
+
+def cpu_threads(ranks_here: int) -> int:
+    """Threads per rank when several ranks share this machine's cores."""
+    return max(1, (os.cpu_count() or 1) // max(1, ranks_here))
+
+
+def _launcher_store(hosted: str, size: int, timeout: timedelta) -> dist.Store:
+    """A client of the store our launcher hosts at host:port."""
+    host, port = hosted.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), size, is_master=False, timeout=timeout)
+
+
 def report_to_launcher(message: str) -> bool:
     """Write this rank's failure where our launcher reads it (before or after joining). False if not launched
     by it (torchrun): the rank then prints its own line."""
@@ -56,9 +84,7 @@ def report_to_launcher(message: str) -> bool:
     if not hosted or rank is None:
         return False
     try:
-        host, port = hosted.rsplit(":", 1)
-        store = dist.TCPStore(host, int(port), int(os.environ.get("WORLD_SIZE", "1")), is_master=False,
-                              timeout=timedelta(seconds=5))
+        store = _launcher_store(hosted, int(os.environ.get("WORLD_SIZE", "1")), timedelta(seconds=5))
         store.set(failure_key(int(rank)), failure_record(message))
     except Exception:  # the launcher is gone: nobody is left to tell
         pass
@@ -84,32 +110,21 @@ class World:
         return self.rank == self.size - 1
 
     # ---- failures: one line per failing rank, in the store -------------------------------------------
-    def failures(self) -> dict[int, str]:
-        """rank -> failure record, of every rank that has written one."""
-        found = {}
-        for r in range(self.size):
-            try:
-                if self.store.check([failure_key(r)]):
-                    found[r] = self.store.get(failure_key(r)).decode()
-            except Exception:  # the store's host is gone with the pipeline
-                pass
-        return found
-
     def raise_if_failed(self) -> None:
-        first = first_failure(self.failures())
+        first = first_failure(failures(self.store, self.size))
         if first:
-            raise K2Error(f"rank {first[0]} failed: {first[1]}")
+            raise failed_error(first)
 
     def lost_contact(self, error: Exception) -> K2Error:
         """The one line for a step that failed because another rank went away: its reason if it wrote one."""
         time.sleep(0.5)  # a failing rank writes its reason before its sockets close
-        first = first_failure(self.failures())
+        first = first_failure(failures(self.store, self.size))
         if first:
-            return K2Error(f"rank {first[0]} failed: {first[1]}")
+            return failed_error(first)
         return K2Error(f"lost contact with the pipeline ({str(error).splitlines()[0][:200]})")
 
-    def wait_for(self, keys: list[str], timeout_s: float, on_wait=None) -> None:
-        """Wait until every key is set, watching for failures; on_wait() is called about every second."""
+    def wait_for(self, keys: list[str], timeout_s: float) -> None:
+        """Wait until every key is set, watching for failures."""
         end = time.monotonic() + timeout_s
         while True:
             self.raise_if_failed()
@@ -118,8 +133,6 @@ class World:
             if time.monotonic() > end:
                 missing = [k for k in keys if not self.store.check([k])]
                 raise K2Error(f"timed out after {timeout_s:.0f} s waiting for {', '.join(missing)}")
-            if on_wait:
-                on_wait()
             time.sleep(0.2)
 
     def close(self) -> None:
@@ -130,8 +143,7 @@ class World:
 def _store(rank: int, size: int, timeout: timedelta) -> dist.Store:
     hosted = os.environ.get(STORE_ENV)
     if hosted:  # our launcher hosts the store: every rank is a client
-        host, port = hosted.rsplit(":", 1)
-        return dist.TCPStore(host, int(port), size, is_master=False, timeout=timeout)
+        return _launcher_store(hosted, size, timeout)
     from torch.distributed import rendezvous  # torchrun: rank 0 or the elastic agent hosts it
 
     store, _, _ = next(rendezvous("env://", rank=rank, world_size=size, timeout=timeout))
