@@ -12,9 +12,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from k2trt.errors import K2Error, MissingDependency
+from k2trt.tools.synthetic import synthetic_prompts
 
 RUNTIME, TRANSFORMERS, REFERENCE = "runtime", "transformers", "reference"
 PHASES = ("prefill", "decode")
@@ -134,8 +133,7 @@ class Runner:
                           f"{len(prompts[0])}-token prompt: the two do not run the same model")
 
     def row(self, batch: int, prompt: int, repeat: int) -> Row:
-        g = torch.Generator().manual_seed(batch * 1000 + prompt)
-        prompts = torch.randint(0, self.cfg.vocab_size - 256, (batch, prompt), generator=g).tolist()
+        prompts = synthetic_prompts(self.cfg, batch, prompt, seed=batch * 1000 + prompt)
         row = Row(batch, prompt, {b: {p: [] for p in PHASES} for b in self.backends})
         for b in self.backends:
             self.generate(b, prompts, 2)  # warm-up at this shape
@@ -191,8 +189,7 @@ def run(args) -> int:
     runner = Runner(args, ckpt)
     for line in runner.missing:
         print(f"note: {line}: transformers is left out")
-    sanity = torch.randint(0, ckpt.config.vocab_size - 256, (1, SANITY_PROMPT),
-                           generator=torch.Generator().manual_seed(1)).tolist()
+    sanity = synthetic_prompts(ckpt.config, 1, SANITY_PROMPT, seed=1)
     runner.sanity_check(sanity)
     rows = []
     for batch in args.batch:

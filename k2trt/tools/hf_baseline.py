@@ -9,13 +9,13 @@ transformers is an optional extra: `pip install 'k2trt[bench]'`.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
 from k2trt.config import K2Config
 from k2trt.errors import MissingDependency
 from k2trt.graphs.fp8 import dequant_weight
+from k2trt.runtime.timings import Timings
 
 INSTALL_HINT = "pip install 'k2trt[bench]'"
 _EXPERTS = "mlp.experts."
@@ -70,20 +70,6 @@ def build_hf_model(weights):
     return model.eval()
 
 
-@dataclass
-class HfTimings:
-    prefill_s: float
-    decode_s: float
-    prefill_tokens: int
-    decode_tokens: int
-
-    def as_dict(self) -> dict:
-        tps = lambda n, s: round(n / s, 2) if s > 0 else None  # noqa: E731
-        return {"prefill_s": round(self.prefill_s, 4), "decode_s": round(self.decode_s, 4),
-                "prefill_tokens_per_s": tps(self.prefill_tokens, self.prefill_s),
-                "decode_tokens_per_s": tps(self.decode_tokens, self.decode_s)}
-
-
 class _FirstTokenClock:
     """A transformers streamer that notes when the prompt's forward pass is done: `generate` puts the prompt
     first, then each new token, so the first put after the prompt ends prefill."""
@@ -101,7 +87,7 @@ class _FirstTokenClock:
 
 
 @torch.no_grad()
-def hf_generate(model, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], HfTimings]:
+def hf_generate(model, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], Timings]:
     """Greedy generation of equal-length prompts with transformers' own cache: the new tokens of each prompt,
     and prefill (up to the first token) and decode (the rest) times."""
     ids = torch.tensor(prompts, dtype=torch.int64)
@@ -112,4 +98,5 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int) -> tuple[list[
     t1 = time.perf_counter()
     first = clock.first_token_at or t1
     b, n = ids.shape
-    return out[:, n:].tolist(), HfTimings(first - t0, t1 - first, b * n, b * (new_tokens - 1))
+    return out[:, n:].tolist(), Timings(prefill_s=first - t0, decode_s=t1 - first, prefill_tokens=b * n,
+                                        decode_steps=new_tokens - 1, decode_tokens=b * (new_tokens - 1))

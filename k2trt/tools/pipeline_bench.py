@@ -12,16 +12,10 @@ from __future__ import annotations
 import json
 import os
 
-import torch
-
 from k2trt.runtime.backends import BackendChoice
+from k2trt.tools.synthetic import synthetic_prompts
 
 SINGLE_ENV = "K2TRT_BENCH_SINGLE"  # the single-process row, handed to the ranks
-
-
-def bench_prompts(cfg, batch: int, prompt_len: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(0, cfg.vocab_size - 256, (batch, prompt_len), generator=g).tolist()
 
 
 def measure(gen, prompts, new_tokens: int, repeat: int) -> dict:
@@ -37,19 +31,16 @@ def measure(gen, prompts, new_tokens: int, repeat: int) -> dict:
 
 
 def single_process(args) -> dict:
-    from k2trt.runtime.backends import open_backend
     from k2trt.runtime.generator import Generator
-    from k2trt.runtime.loader import open_model
+    from k2trt.runtime.loader import load
 
-    ckpt, _ = open_model(args.model)
-    backend = open_backend(BackendChoice("ort", args.onnx), ckpt)
-    backend.prepare()
-    gen = Generator(backend, ckpt.config)
-    return measure(gen, prompts_of(args, ckpt.config), args.new_tokens, args.repeat)
+    loaded = load(args, BackendChoice("ort", args.onnx), command="bench")
+    gen = Generator(loaded.backend, loaded.config)
+    return measure(gen, prompts_of(args, loaded.config), args.new_tokens, args.repeat)
 
 
 def prompts_of(args, cfg) -> list[list[int]]:
-    return bench_prompts(cfg, args.batch[0], args.prompt_len[0])
+    return synthetic_prompts(cfg, args.batch[0], args.prompt_len[0])
 
 
 def render(single: dict | None, piped: dict, stages: int, share: float) -> str:

@@ -131,3 +131,9 @@ def synthetic_tensors(cfg: K2Config, seed: int = 0) -> Iterator[tuple[str, torch
             yield p + name, tensor
     yield norm.name, g[norm.name]
     yield head.name, g[head.name]
+
+
+def synthetic_prompts(cfg: K2Config, batch: int, length: int, seed: int = 0) -> list[list[int]]:
+    """Seeded random prompts of ordinary (not special) token ids, for the benchmarks."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, cfg.vocab_size - NUM_RESERVED_SPECIAL, (batch, length), generator=g).tolist()

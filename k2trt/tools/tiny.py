@@ -18,6 +18,7 @@ from k2trt.checkpoint_writer import write_checkpoint
 from k2trt.dirlock import writer_lock
 from k2trt.config import K2Config
 from k2trt.errors import K2Error
+from k2trt.runtime.tokenizer import NUM_RESERVED_SPECIAL
 from k2trt.tools.synthetic import synthetic_tensors
 
 DEFAULT_SHARDS = 7
@@ -43,7 +44,7 @@ def make_tiny(out_dir: str | Path, seed: int = 0, config: K2Config | None = None
         tmp.mkdir()
         try:
             write_checkpoint(tmp, cfg, synthetic_tensors(cfg, seed), n_shards)
-            write_tiny_tokenizer(tmp, num_base_tokens=cfg.vocab_size - 256)
+            write_tiny_tokenizer(tmp, num_base_tokens=cfg.vocab_size - NUM_RESERVED_SPECIAL)
             _plain_permissions(tmp)
             _replace_dir(tmp, out)
         finally:
