@@ -74,12 +74,6 @@ class NodeContract:
     def attribute_names(self) -> list[str]:
         return [a.name for a in self.attributes]
 
-    def port(self, name: str) -> Port:
-        for p in self.inputs + self.outputs:
-            if p.name == name:
-                return p
-        raise KeyError(f"{self.op_type} has no port {name!r}")
-
 
 ACTIVATION_QUANT = Attribute(
     "activation_quant", "int", 1,

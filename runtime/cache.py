@@ -35,10 +35,6 @@ class LatentCache:
         # zeros, not uninitialized memory: masked slots get probability exactly 0, and 0 * NaN would be NaN
         return torch.zeros(slots, capacity, self.latent_dim, dtype=self.dtype, device=self.device)
 
-    @property
-    def nbytes(self) -> int:
-        return len(self.layers) * self.slots * self.capacity * self.latent_dim * self.dtype.itemsize
-
     def resize(self, slots: int, capacity: int) -> None:
         """Grow or shrink every layer to `slots` x `capacity`, keeping what fits of every kept slot."""
         if (slots, capacity) == (self.slots, self.capacity):

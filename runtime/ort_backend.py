@@ -16,13 +16,12 @@ from onnx import TensorProto
 
 from k2trt.dtypes import torch_dtype
 from k2trt.errors import K2Error, MissingDependency
+from k2trt.export.block_graphs import KINDS
 from k2trt.export.manifest import check_matches, graph_file, graph_path, read_manifest
 from k2trt.graphs.fp8 import WEIGHT_DEQUANT
 from k2trt.graphs.mask import MASK_NEG
 from k2trt.runtime.backend import BackendLimits, Progress, WeightSource, prepare_each
 from k2trt.runtime.graph_weights import graph_weights, source_names
-
-KINDS = ("embedding", "dense_block", "moe_block", "head")
 
 
 def _ort():

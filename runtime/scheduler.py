@@ -65,10 +65,6 @@ class Request:
     def done(self) -> bool:
         return self.finish_reason is not None
 
-    @property
-    def prefilling(self) -> bool:
-        return self.fed < len(self.prompt)
-
 
 class SlotLayout:
     """Which request owns each slot: the decoding requests first, then the prefilling ones, both contiguous.
@@ -157,15 +153,8 @@ class Scheduler:
         self.waiting.append(req)
         return req
 
-    @property
-    def running(self) -> list[Request]:
-        return list(self.layout.order)
-
     def has_work(self) -> bool:
         return bool(self.waiting or len(self.layout))
-
-    def cancel(self, req: Request) -> None:
-        req.cancelled = True  # a flag: the scheduler's own thread frees the slot at its next iteration
 
     # ---- one iteration -----------------------------------------------------------------------------------
     def iteration(self) -> None:
@@ -226,7 +215,7 @@ class Scheduler:
              sample: list[bool]) -> list[int | None]:
         self._size_cache(max(s + len(t) for s, t in zip(starts, tokens)))
         plan = StepPlan(first=self.layout.slot(reqs[0]), tokens=tokens, starts=starts, sample=sample,
-                        rows=self.rows, capacity=self.capacity, kind=kind, ops=self._ops)
+                        rows=self.rows, capacity=self.capacity, ops=self._ops)
         self._ops = []
         t0 = time.perf_counter()
         ids = self.executor.run(plan)

@@ -57,7 +57,6 @@ class StepPlan:
     sample: list[bool]  # whether to sample a token after this step (not for a prompt chunk that is not its last)
     rows: int  # cache slots allocated for this step (every stage resizes to rows x capacity)
     capacity: int  # positions per slot
-    kind: str = DECODE  # PREFILL or DECODE, for the timings
     ops: list[SlotOp] = field(default_factory=list)  # slot bookkeeping applied, in order, before the step
 
     @property
@@ -67,13 +66,6 @@ class StepPlan:
     @property
     def width(self) -> int:
         return max((len(t) for t in self.tokens), default=0)
-
-    def validate(self) -> None:
-        n = self.batch
-        if not (len(self.starts) == len(self.sample) == n) or any(not t for t in self.tokens):
-            raise ValueError("a step plan needs tokens, starts and sample flags for each of its sequences")
-        if any(s + len(t) > self.capacity for s, t in zip(self.starts, self.tokens)) or self.first + n > self.rows:
-            raise ValueError("a step plan writes past the cache's slots or capacity")
 
 
 class RopeTable:

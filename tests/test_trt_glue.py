@@ -376,8 +376,8 @@ def test_standin_rejects_todays_graphs_and_registration(standin, monkeypatch, tm
     annotated `int` — the parser's 1-element array through int() is a TypeError on NumPy >= 2.4."""
     P.register_plugins()
     exported = _trt_graph()
-    flags = B.Builder.network_flags(argparse.Namespace(trt=argparse.Namespace(
-        __version__="10.13.0", NetworkDefinitionCreationFlag=S.NetworkDefinitionCreationFlag)))
+    flags = B.network_flags(argparse.Namespace(
+        __version__="10.13.0", NetworkDefinitionCreationFlag=S.NetworkDefinitionCreationFlag))
     with pytest.raises(S.TensorRTError, match="has both AOT and JIT implementations"):
         S.parse_plugin_node(standin, _plugin_nodes(exported)[0], flags)
 
@@ -670,10 +670,10 @@ def test_network_flags_are_tensorrts():
         STRONGLY_TYPED = 0
 
     def fake(version, flag):
-        return argparse.Namespace(trt=argparse.Namespace(__version__=version, NetworkDefinitionCreationFlag=flag))
+        return argparse.Namespace(__version__=version, NetworkDefinitionCreationFlag=flag)
 
-    assert B.Builder.network_flags(fake("10.13.0", Flag10)) == 1 << 1
-    assert B.Builder.network_flags(fake("11.1.0", Flag11)) == 0
+    assert B.network_flags(fake("10.13.0", Flag10)) == 1 << 1
+    assert B.network_flags(fake("11.1.0", Flag11)) == 0
 
 
 def test_build_progress_lines():

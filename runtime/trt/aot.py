@@ -54,10 +54,6 @@ def configure(target: Target | None) -> None:
     _target = target
 
 
-def current_target() -> Target | None:
-    return _target
-
-
 def signature(kernel, pointer_types: dict[str, str], constexprs: dict) -> tuple[dict, dict]:
     """Triton's (signature, attrs) for a kernel: the named pointers, every other runtime parameter an i32, each
     pointer 16-byte divisible."""

@@ -19,11 +19,6 @@ import triton.language as tl
 from k2trt.graphs.fp8 import BLOCK, PER_TOKEN_GROUP, WEIGHT_DEQUANT, cdiv
 from k2trt.runtime.kernels.fp8_linear import _grouped_tile, _quant_group, _scaled_dot, _to_act, dot16, tactic_config
 
-# Kernel parameter order = TensorRT's AOT launch order: the contract's inputs, the extra scalars, the outputs.
-KERNEL_TENSOR_ARGS = ("x", "weight", "weight_scale_inv")
-KERNEL_SCALAR_ARGS = ("M",)
-KERNEL_OUTPUT_ARGS = ("y",)
-
 # activation dtype name -> (Triton pointer type, ACT code of the kernels module)
 ACT_TYPES = {"float32": ("fp32", 0), "bfloat16": ("bf16", 1), "float16": ("fp16", 2)}
 

@@ -222,9 +222,6 @@ class Builder:
         self._cache_config = self.builder.create_builder_config()
         self.cache = self._cache_config.create_timing_cache(data)
 
-    def network_flags(self) -> int:
-        return network_flags(self.trt)
-
     def build(self, kind: str, model: bytes, graph: dict, progress: BuildProgress | None = None) -> bytes:
         trt = self.trt
         label = graph["file"]

@@ -43,7 +43,6 @@ QDP_PLUGIN_VERSION = "1"
 ATTRIBUTE_ANNOTATIONS = {"int": npt.NDArray[np.int32], "float": npt.NDArray[np.float32], "str": str}
 # TensorRT versions: tensorrt.plugin appeared in 10.6, aot_impl (and the parser's `aot` attribute) in 10.9
 # (TensorRT CHANGELOG.md; python/packaging/bindings_wheel/tensorrt/plugin history).
-PYTHON_PLUGINS_SINCE = "10.6"
 AOT_PLUGINS_SINCE = "10.9"
 
 
