@@ -24,6 +24,9 @@ from k2trt.runtime.backend import BackendLimits, Progress, WeightSource, prepare
 from k2trt.runtime.graph_weights import graph_weights, source_names
 
 
+STEP_SHARED_INPUTS = ("rope_cos", "rope_sin", "attention_mask")  # one tensor each per step, fed to every block
+
+
 def _ort():
     try:
         import onnxruntime
@@ -109,7 +112,7 @@ class OrtBackend:
         self.weights = weights
         self.cache_layers = cache_layers
         self._session_s = 0.0
-        self._values: OrderedDict = OrderedDict()  # id(tensor) -> (tensor, OrtValue), see _value_of
+        self._values: OrderedDict = OrderedDict()  # id(tensor) -> (tensor, OrtValue), see _shared_value
         self._bound: dict = {}
         self._past_memo: tuple = (None, None)  # (a step's mask, that mask without its cache part, or None)
 
@@ -150,24 +153,25 @@ class OrtBackend:
         return self._session_s
 
     # ---- running ------------------------------------------------------------------------------------
-    def _value_of(self, t: torch.Tensor):
-        """The OrtValue of an activation tensor, reused while the same tensor comes back: a step's rope tables
-        and mask feed every block. The memo holds the tensor, so a live entry's memory cannot be reused by
-        another tensor."""
+    def _shared_value(self, t: torch.Tensor):
+        """The OrtValue of a tensor that feeds every block of a step (STEP_SHARED_INPUTS), made once per step.
+        The memo holds the tensor, so a live entry's memory cannot be reused by another tensor; it holds only
+        these few, never a layer's hidden states or a cache view (which would keep a resized cache alive)."""
         hit = self._values.get(id(t))
         if hit is not None and hit[0] is t:
             self._values.move_to_end(id(t))
             return hit[1]
         value = ort_value(t)
         self._values[id(t)] = (t, value)
-        if len(self._values) > 4 * self.cfg.num_hidden_layers + 16:
+        if len(self._values) > 2 * (len(STEP_SHARED_INPUTS) + 1):  # two steps' worth, a trimmed mask included
             self._values.popitem(last=False)
         return value
 
     def _run(self, kind: str, feeds: dict, bound) -> list[torch.Tensor]:
         io, _, outputs = bound
-        for name, t in feeds.items():
-            io.bind_ortvalue_input(name, self._value_of(t))
+        values = [self._shared_value(t) if name in STEP_SHARED_INPUTS else ort_value(t) for name, t in feeds.items()]
+        for name, value in zip(feeds, values):  # `values` keeps every OrtValue alive until the run returns
+            io.bind_ortvalue_input(name, value)
         io.clear_binding_outputs()  # shapes change from step to step: let ONNX Runtime allocate each run
         for name in outputs:
             io.bind_output(name, "cpu")
