@@ -248,19 +248,19 @@ SMEM_LIMIT = 227 * 1024  # shared memory one CTA may use on an H100 / H200
 def kernel_variants(cfg: K2Config | None = None):
     """(label, kernel, pointer dtypes, constexprs, num_warps, num_stages) for each variant the JIT path launches at
     K2's shapes with bf16 activations, in both activation_quant modes (every MoE tactic, every linear tile)."""
-    import torch as _torch
-
     from k2trt.runtime.kernels import fp8_linear as fl
     from k2trt.runtime.kernels import moe
+    from k2trt.runtime.trt import aot_moe
+
+    def variant(label, plan):  # the MoE kernels as their AOT plans launch them
+        return label, plan.kernel, plan.pointer_types(), plan.constexprs(), plan.num_warps, plan.num_stages
+
     cfg = cfg or K2Config()
     d, inter, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
-    bf16 = _torch.bfloat16
-    ints = {"sorted_ptr": "i32", "off_ptr": "i32"}
     out = [("act_quant", fl._act_quant_kernel, {"x_ptr": "bf16", "q_ptr": "fp8e4nv"},
             dict(BLOCK_ROWS=16, GROUP=BLOCK), 4, 1),
-           ("moe combine", moe._combine_kernel, {"o_ptr": "bf16", "w_ptr": "fp32", "y_ptr": "bf16"},
-            moe.combine_constexprs(d, cfg.num_experts_per_tok, bf16), 4, 1),
-           ("moe align", moe._align_kernel, {"ids_ptr": "i32", **ints}, moe.align_constexprs(e), moe.ALIGN_WARPS, 1)]
+           variant("moe combine", aot_moe.CombinePlan(d, cfg.num_experts_per_tok, "bfloat16")),
+           variant("moe align", aot_moe.AlignPlan(e))]
     for aq in (0, 1):
         a = "fp8e4nv" if aq else "bf16"
         common = dict(A_FP8=bool(aq), ACT=1, DOT16=True, EVEN_K=True)
@@ -272,12 +272,10 @@ def kernel_variants(cfg: K2Config | None = None):
                         dict(BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m, **common),
                         c.num_warps, c.num_stages))
         for tactic, t in moe.GEMM_TACTICS.items():
-            out.append((f"moe gate_up aq{aq} BM{t.block_m}", moe._gate_up_kernel,
-                        {"x_ptr": "bf16", **ints, "gw_ptr": "fp8e4nv", "uw_ptr": "fp8e4nv", "h_ptr": a},
-                        moe.gemm_constexprs(e, inter, d, t, aq, bf16), t.num_warps, t.num_stages))
-            out.append((f"moe down aq{aq} BM{t.block_m}", moe._down_kernel,
-                        {"h_ptr": a, **ints, "w_ptr": "fp8e4nv", "out_ptr": "bf16"},
-                        moe.gemm_constexprs(e, d, inter, t, aq, bf16), t.num_warps, t.num_stages))
+            out.append(variant(f"moe gate_up aq{aq} BM{t.block_m}",
+                               aot_moe.gemm_plan("gate_up", e, inter, d, "bfloat16", aq, tactic)))
+            out.append(variant(f"moe down aq{aq} BM{t.block_m}",
+                               aot_moe.gemm_plan("down", e, d, inter, "bfloat16", aq, tactic)))
     return out
 
 

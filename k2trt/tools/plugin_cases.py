@@ -19,7 +19,7 @@ from k2trt.dtypes import name_of, one_ulp
 from k2trt.export.block_graphs import IR_VERSION, OPSET
 from k2trt.export.onnx_ops import plugin_attributes
 from k2trt.graphs import contracts, moe_ref
-from k2trt.graphs.fp8 import PER_TOKEN_GROUP, fp8_block_linear, quantize_weight
+from k2trt.graphs.fp8 import PER_TOKEN_GROUP, dequant_activation, fp8_block_linear, quantize_weight
 
 # B·T tokens; E experts of d -> I -> d, top-K; the linear maps d -> N (N = 200: a partial scale block)
 B, T, D, INTER, E, K, N = 1, 3, 256, 128, 4, 2, 200
@@ -116,17 +116,13 @@ def mismatches(case: NodeCase, outputs: dict[str, torch.Tensor]) -> list[str]:
             if bad:
                 problems.append(f"{name}: {bad} of {want.numel()} elements differ")
         elif name == "h" and want.dtype == torch.float8_e4m3fn:
-            problems.append(_close("h·h_scale", _dequant(g, got["h_scale"]),
-                                   _dequant(want, case.expected["h_scale"]), one_ulp(name_of(want.dtype))))
+            problems.append(_close("h·h_scale", dequant_activation(g, got["h_scale"]),
+                                   dequant_activation(want, case.expected["h_scale"]), one_ulp(name_of(want.dtype))))
         elif name == "h_scale":
             problems.append(_close(name, g.float(), want.float(), one_ulp(case.act)))
         else:
             problems.append(_close(name, g.float(), want.float(), one_ulp(name_of(want.dtype))))
     return [p for p in problems if p]
-
-
-def _dequant(h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return (h.float().unflatten(-1, (scale.shape[-1], -1)) * scale.unsqueeze(-1)).flatten(-2)
 
 
 def _close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float) -> str | None:

@@ -38,6 +38,15 @@ def act_code(dtype: torch.dtype) -> int:
     return _ACT_CODE[dtype]
 
 
+def checked_out(out: torch.Tensor | None, shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """A kernel's output buffer: a new one, or the caller's, which must be contiguous of this shape and dtype."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {dtype} tensor of shape {tuple(shape)}")
+    return out
+
+
 def dot16(dtype: torch.dtype) -> bool:
     """W8A16 dots in the 16-bit activation dtype (tensor cores, exact products, fp32 accumulation). The interpreter's
     bf16 arithmetic is wrong, so there bf16 runs as fp32 (same result); its fp16 dot is right, so fp16 keeps the
@@ -263,10 +272,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
     ac = act_code(x.dtype)
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    if out is None:
-        out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    elif out.shape != (*x.shape[:-1], n) or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {(*x.shape[:-1], n)}")
+    out = checked_out(out, (*x.shape[:-1], n), x.dtype, x.device)
     if m == 0 or n == 0:
         return out
     weight = weight.contiguous()

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from k2trt.graphs.fp8 import BLOCK, PER_TOKEN_GROUP, cdiv
 from k2trt.runtime.kernels.fp8_linear import (_quant_group, _round_act, _scaled_dot, _to_act, act_code,
-                                               check_activation_quant, dot16)
+                                               check_activation_quant, checked_out, dot16)
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -265,6 +265,16 @@ def check_gemm(tiles: GemmTiles, gate_up: bool) -> None:
         raise ValueError("the gate+up GEMM needs block_n == 128 (one scale group of h per tile)")
 
 
+def gemm_tiles(stage: str, tactic: int) -> GemmTiles:
+    """The tiles of a tactic for the "gate_up" or "down" GEMM, checked for that stage: the torch entry points and
+    the AOT plans (runtime/trt/aot_moe.py) both take them from here."""
+    if tactic not in GEMM_TACTICS:
+        raise ValueError(f"MoE {stage}: unknown tactic {tactic}; expected one of {sorted(GEMM_TACTICS)}")
+    tiles = GEMM_TACTICS[tactic]
+    check_gemm(tiles, gate_up=stage == "gate_up")
+    return tiles
+
+
 # ---------------------------------------------------------------------------------------------- entry points
 
 def _check_weights(gate_w, up_w, down_w, d: int) -> tuple[int, int]:
@@ -278,20 +288,12 @@ def _check_weights(gate_w, up_w, down_w, d: int) -> tuple[int, int]:
     return num_experts, inter
 
 
-def _out(out, shape, dtype, device):
-    if out is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {dtype} tensor of shape {tuple(shape)}")
-    return out
-
-
 def moe_align(topk_ids: torch.Tensor, num_experts: int, sorted_pairs=None, expert_offsets=None):
     """Stage 1: topk_ids [.., k] int32 -> (sorted_pairs int32 [n], expert_offsets int32 [E + 1])."""
     flat = topk_ids.reshape(-1).to(torch.int32).contiguous()
     n = flat.numel()
-    sorted_pairs = _out(sorted_pairs, (n,), torch.int32, flat.device)
-    expert_offsets = _out(expert_offsets, (num_experts + 1,), torch.int32, flat.device)
+    sorted_pairs = checked_out(sorted_pairs, (n,), torch.int32, flat.device)
+    expert_offsets = checked_out(expert_offsets, (num_experts + 1,), torch.int32, flat.device)
     _align_kernel[(1,)](flat, n, sorted_pairs, expert_offsets, **align_constexprs(num_experts),
                         num_warps=ALIGN_WARPS)
     return sorted_pairs, expert_offsets
@@ -304,11 +306,10 @@ def moe_gate_up(x2, sorted_pairs, expert_offsets, gate_w, gate_s, up_w, up_s, ac
     m, d = x2.shape
     num_experts, inter, _ = gate_w.shape
     n = sorted_pairs.numel()
-    tiles = GEMM_TACTICS[tactic or default_tactic(n, num_experts)]
-    check_gemm(tiles, gate_up=True)
+    tiles = gemm_tiles("gate_up", tactic or default_tactic(n, num_experts))
     w8a8 = activation_quant == PER_TOKEN_GROUP
-    h = _out(h, (n, inter), torch.float8_e4m3fn if w8a8 else x2.dtype, x2.device)
-    h_scale = _out(h_scale, (n, cdiv(inter, BLOCK)), torch.float32, x2.device)
+    h = checked_out(h, (n, inter), torch.float8_e4m3fn if w8a8 else x2.dtype, x2.device)
+    h_scale = checked_out(h_scale, (n, cdiv(inter, BLOCK)), torch.float32, x2.device)
     if n:
         _gate_up_kernel[(gemm_grid(n, num_experts, inter, tiles),)](
             x2.contiguous(), sorted_pairs, expert_offsets, gate_w.contiguous(), gate_s.float().contiguous(),
@@ -324,8 +325,8 @@ def moe_down(h, h_scale, sorted_pairs, expert_offsets, down_w, down_s, activatio
     check_activation_quant(activation_quant)
     num_experts, d, inter = down_w.shape
     n = sorted_pairs.numel()
-    tiles = GEMM_TACTICS[tactic or default_tactic(n, num_experts)]
-    out = _out(out, (n, d), dtype, h.device)
+    tiles = gemm_tiles("down", tactic or default_tactic(n, num_experts))
+    out = checked_out(out, (n, d), dtype, h.device)
     if n:
         _down_kernel[(gemm_grid(n, num_experts, d, tiles),)](
             h, h_scale, sorted_pairs, expert_offsets, down_w.contiguous(), down_s.float().contiguous(), n, out,
@@ -339,7 +340,7 @@ def moe_combine(pair_out, topk_weights, out=None):
     top_k = topk_weights.shape[-1]
     w = topk_weights.reshape(-1, top_k).float().contiguous()
     m, d = w.shape[0], pair_out.shape[1]
-    out = _out(out, (m, d), pair_out.dtype, pair_out.device)
+    out = checked_out(out, (m, d), pair_out.dtype, pair_out.device)
     if m:
         _combine_kernel[(m, cdiv(d, COMBINE_BLOCK_D))](pair_out, w, out, **combine_constexprs(d, top_k, out.dtype))
     return out
@@ -357,7 +358,7 @@ def moe_fp8(x, topk_ids, topk_weights, gate_w, gate_s, up_w, up_s, down_w, down_
         raise ValueError(f"W8A8 MoE needs d and I multiples of {BLOCK}, got d={d}, I={inter}")
     act_code(x.dtype)
     x2 = x.reshape(-1, d)
-    out = _out(out, tuple(x.shape), x.dtype, x.device)
+    out = checked_out(out, tuple(x.shape), x.dtype, x.device)
     if x2.shape[0] == 0:
         return out
     sorted_pairs, offsets = moe_align(topk_ids, num_experts)

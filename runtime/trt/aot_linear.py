@@ -11,16 +11,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 import triton
 import triton.language as tl
 
+from k2trt.dtypes import torch_dtype
 from k2trt.graphs.fp8 import BLOCK, PER_TOKEN_GROUP, WEIGHT_DEQUANT, cdiv
-from k2trt.runtime.kernels.fp8_linear import _grouped_tile, _quant_group, _scaled_dot, _to_act, dot16, tactic_config
+from k2trt.runtime.kernels.fp8_linear import (_grouped_tile, _quant_group, _scaled_dot, _to_act, act_code, dot16,
+                                              tactic_config)
 
-# activation dtype name -> (Triton pointer type, ACT code of the kernels module)
-ACT_TYPES = {"float32": ("fp32", 0), "bfloat16": ("bf16", 1), "float16": ("fp16", 2)}
+# activation dtype name -> Triton pointer type (the kernels' ACT code comes from fp8_linear.act_code)
+ACT_POINTERS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def act_pointer(act: str, plugin: str) -> str:
+    if act not in ACT_POINTERS:
+        raise ValueError(f"{plugin} AOT: activation dtype {act!r} is not one of {tuple(ACT_POINTERS)}")
+    return ACT_POINTERS[act]
 
 
 
@@ -90,13 +96,13 @@ class AotLinearPlan:
         return f"linear_{self.n}x{self.k}"
 
     def pointer_types(self) -> dict[str, str]:
-        ptr = ACT_TYPES[self.act][0]
+        ptr = ACT_POINTERS[self.act]
         return {"x_ptr": ptr, "w_ptr": "fp8e4nv", "ws_ptr": "fp32", "y_ptr": ptr}
 
     def constexprs(self) -> dict[str, int]:
         return {"N": self.n, "K": self.k, "BM": self.block_m, "BN": self.block_n, "BK": self.block_k,
                 "GROUP_M": self.group_m, "A_FP8": int(self.activation_quant == PER_TOKEN_GROUP),
-                "ACT": ACT_TYPES[self.act][1], "DOT16": int(dot16(getattr(torch, self.act)))}
+                "ACT": act_code(torch_dtype(self.act)), "DOT16": int(dot16(torch_dtype(self.act)))}
 
     def grid_x(self, m):
         """Works on ints and on TensorRT shape expressions (only + * // are used)."""
@@ -118,8 +124,7 @@ def _replace(plan: AotLinearPlan, **kw) -> AotLinearPlan:
 
 
 def plan_for(act: str, n: int, k: int, activation_quant: int, tactic: int) -> AotLinearPlan:
-    if act not in ACT_TYPES:
-        raise ValueError(f"Fp8BlockLinear AOT: activation dtype {act!r} is not one of {tuple(ACT_TYPES)}")
+    act_pointer(act, "Fp8BlockLinear")
     if activation_quant not in (WEIGHT_DEQUANT, PER_TOKEN_GROUP):
         raise ValueError(f"Fp8BlockLinear AOT: activation_quant must be 0 or 1, got {activation_quant}")
     if activation_quant == PER_TOKEN_GROUP and k % BLOCK:

@@ -11,17 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import torch
-
+from k2trt.dtypes import torch_dtype
 from k2trt.graphs.fp8 import PER_TOKEN_GROUP, cdiv
 from k2trt.runtime.kernels import moe
-from k2trt.runtime.trt.aot_linear import ACT_TYPES
+from k2trt.runtime.trt.aot_linear import act_pointer
 
 
 def _ptr(act: str) -> str:
-    if act not in ACT_TYPES:
-        raise ValueError(f"MoE AOT: activation dtype {act!r} is not one of {tuple(ACT_TYPES)}")
-    return ACT_TYPES[act][0]
+    return act_pointer(act, "MoE")
 
 
 @dataclass(frozen=True)
@@ -86,7 +83,7 @@ class GemmPlan:
 
     def constexprs(self) -> dict:
         return moe.gemm_constexprs(self.num_experts, self.out_cols, self.in_cols, self.tiles,
-                                   self.activation_quant, getattr(torch, self.act))
+                                   self.activation_quant, torch_dtype(self.act))
 
     def shrink(self):
         """Fewer stages, then (down only: gate+up tiles are one 128-wide group) narrower N, then fewer rows."""
@@ -120,7 +117,7 @@ class CombinePlan:
         return {"o_ptr": _ptr(self.act), "w_ptr": "fp32", "y_ptr": _ptr(self.act)}
 
     def constexprs(self) -> dict:
-        return moe.combine_constexprs(self.d, self.top_k, getattr(torch, self.act))
+        return moe.combine_constexprs(self.d, self.top_k, torch_dtype(self.act))
 
     def shrink(self):
         return None
@@ -134,9 +131,6 @@ class CombinePlan:
 
 def gemm_plan(stage: str, num_experts: int, out_cols: int, in_cols: int, act: str, activation_quant: int,
               tactic: int) -> GemmPlan:
-    if tactic not in moe.GEMM_TACTICS:
-        raise ValueError(f"MoE {stage}: unknown tactic {tactic}; expected one of {sorted(moe.GEMM_TACTICS)}")
-    t = moe.GEMM_TACTICS[tactic]
-    moe.check_gemm(t, gate_up=stage == "gate_up")
+    t = moe.gemm_tiles(stage, tactic)
     return GemmPlan(stage, num_experts, out_cols, in_cols, act, activation_quant, t.block_m, t.block_n,
                     t.num_warps, t.num_stages)
