@@ -24,14 +24,15 @@ def export_kind(cfg: K2Config, out: Path, kind: str, act_dtype: str, activation_
     trt_model = split_moe(recorded)  # one plugin per kernel: every node has an AOT implementation
     check_onnx(trt_model, f"trt/{kind}")
     check_trt_operators(trt_model, f"trt/{kind}")
-    ort_model, prep = lower_for_ort(recorded, act_dtype)
+    ort_model = lower_for_ort(recorded, act_dtype)
     check_onnx(ort_model, f"ort/{kind}")
     acts = {name for name, _, _ in activation_io(cfg, kind, act_dtype)[0]}
     return {
         f"trt/{kind}": M.write_graph(out, f"trt/{kind}", kind, "tensorrt", trt_model, weight_prep(trt_model),
                                      activation_quant, acts),
         # The lowering computes with dequantized weights: the W8A16 convention.
-        f"ort/{kind}": M.write_graph(out, f"ort/{kind}", kind, "onnxruntime", ort_model, prep, WEIGHT_DEQUANT, acts),
+        f"ort/{kind}": M.write_graph(out, f"ort/{kind}", kind, "onnxruntime", ort_model, weight_prep(ort_model),
+                                     WEIGHT_DEQUANT, acts),
     }
 
 

@@ -9,7 +9,7 @@ normalize_routing_weights=1; the op then weighs expert e by w_e / Σw, and the o
 (ORT's MoE runs fp32/fp16 on CPU and has no FP8 kernel there, hence the dequantized weights: this path
 computes in the W8A16 convention.)
 
-The preparations come from the registry in graphs/weight_prep.py; the returned table says, for each new input,
+The preparations come from the registry in graphs/weight_prep.py; the lowered graph records, for each new input,
 which one and from which graph inputs, and the runtime applies it (runtime/graph_weights.py).
 """
 
@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from k2trt.export.onnx_ops import elem, set_weight_prep, weight_prep
+from k2trt.export.onnx_ops import dims, elem, set_weight_prep, value_types, weight_prep
 from k2trt.graphs import contracts
 from k2trt.graphs.weight_prep import DEQUANT, DEQUANT_T, MOE_FC1_INTERLEAVED, Preparation
 
@@ -30,12 +30,7 @@ NOT_CHOSEN = -1e9  # router_probs of the experts the graph did not choose: exp()
 
 
 def _shapes(model) -> dict[str, list]:
-    model = onnx.shape_inference.infer_shapes(model)
-    out = {}
-    for vi in list(model.graph.input) + list(model.graph.value_info) + list(model.graph.output):
-        dims = [d.dim_param if d.dim_param else d.dim_value for d in vi.type.tensor_type.shape.dim]
-        out[vi.name] = dims
-    return out
+    return {name: dims(t) for name, t in value_types(model).items()}
 
 
 class _Lowering:
@@ -142,7 +137,7 @@ class _Lowering:
         return m
 
 
-def lower_for_ort(model: onnx.ModelProto, act_dtype: str = "float32") -> tuple[onnx.ModelProto, dict]:
-    """-> (lowered model, prep table {new input name: {"op": ..., "from": [graph input names]}})."""
-    lowered = _Lowering(model, act_dtype).run()
-    return lowered, weight_prep(lowered)
+def lower_for_ort(model: onnx.ModelProto, act_dtype: str = "float32") -> onnx.ModelProto:
+    """The lowered model; its prep table ({new input name: {"op": ..., "from": [graph input names]}}) is in its
+    metadata (onnx_ops.weight_prep)."""
+    return _Lowering(model, act_dtype).run()

@@ -16,6 +16,7 @@ from k2trt.files import member, read_json_object, sha256_file, write_json
 from k2trt.config import K2Config
 from k2trt.errors import K2Error
 from k2trt.export.block_graphs import IR_VERSION, KINDS, OPSET
+from k2trt.export.onnx_ops import dims
 from k2trt.dtypes import BY_ONNX, DTYPES
 from k2trt.schema import ListOf, MapOf, check
 
@@ -43,8 +44,7 @@ def _io(values) -> list[dict]:
     out = []
     for vi in values:
         tt = vi.type.tensor_type
-        shape = [d.dim_param if d.dim_param else d.dim_value for d in tt.shape.dim]
-        out.append({"name": vi.name, "dtype": BY_ONNX[tt.elem_type].name, "shape": shape})
+        out.append({"name": vi.name, "dtype": BY_ONNX[tt.elem_type].name, "shape": dims(tt)})
     return out
 
 

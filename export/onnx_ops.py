@@ -48,6 +48,17 @@ def weight_prep(model: onnx.ModelProto) -> dict:
     return {}
 
 
+def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto.Tensor]:
+    """The tensor type of every graph input, intermediate value and output, after ONNX shape inference."""
+    g = onnx.shape_inference.infer_shapes(model).graph
+    return {v.name: v.type.tensor_type for v in list(g.input) + list(g.value_info) + list(g.output)}
+
+
+def dims(t: onnx.TypeProto.Tensor) -> list:
+    """A tensor type's shape: named dynamic dims as their names, the others as ints."""
+    return [d.dim_param if d.dim_param else d.dim_value for d in t.shape.dim]
+
+
 class Sym:
     """A value in the graph being recorded. Arithmetic records Add/Sub/Mul/Div nodes."""
 

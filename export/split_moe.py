@@ -19,23 +19,14 @@ import copy
 import onnx
 from onnx import helper
 
-from k2trt.export.onnx_ops import plugin_attributes
+from k2trt.export.onnx_ops import dims, plugin_attributes, value_types
 from k2trt.graphs import contracts
-
-
-def _value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto.Tensor]:
-    g = onnx.shape_inference.infer_shapes(model).graph
-    return {v.name: v.type.tensor_type for v in list(g.input) + list(g.value_info) + list(g.output)}
-
-
-def _dims(t: onnx.TypeProto.Tensor) -> list:
-    return [d.dim_param if d.dim_param else d.dim_value for d in t.shape.dim]
 
 
 class _Split:
     def __init__(self, model: onnx.ModelProto):
         self.model = copy.deepcopy(model)
-        self.types = _value_types(self.model)
+        self.types = value_types(self.model)
         self.nodes: list[onnx.NodeProto] = []
         self.value_info: list[onnx.ValueInfoProto] = []
 
@@ -52,9 +43,9 @@ class _Split:
         x, ids, wts, gw, gs, uw, us, dw, ds = node.input
         aq = next(a.i for a in node.attribute if a.name == "activation_quant")
         act = self.types[x].elem_type
-        e, inter, d = _dims(self.types[gw])
-        k = _dims(self.types[ids])[-1]
-        gs_dims = _dims(self.types[gs])
+        e, inter, d = dims(self.types[gw])
+        k = dims(self.types[ids])[-1]
+        gs_dims = dims(self.types[gs])
         if not all(isinstance(v, int) for v in (e, inter, d, k)):
             raise ValueError(f"{node.name}: MoeFp8 needs static expert shapes and top-k, "
                              f"got E={e} I={inter} d={d} k={k}")
