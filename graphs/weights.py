@@ -140,21 +140,20 @@ def stacked_source_names(stacked_name: str, n_experts: int) -> list[str]:
     return [f"mlp.experts.{e}.{rest}" for e in range(n_experts)]
 
 
-def assemble_block_weights(cfg: K2Config, layer: int, fill: Callable[[str, torch.Tensor], None]
-                           ) -> dict[str, torch.Tensor]:
+def assemble_block_weights(cfg: K2Config, layer: int,
+                           read: Callable[[str, torch.Tensor | None], torch.Tensor]) -> dict[str, torch.Tensor]:
     """The weight inputs of one layer's block graph, in spec order, each routed-expert projection stacked along
-    a new leading expert axis. `fill(suffix, out)` writes the checkpoint tensor `suffix` (the name after
-    `model.layers.N.`) into `out`, an empty tensor of that tensor's shape and dtype: the one place experts are
-    stacked, whether they come from a file (read straight into their slice) or from memory."""
+    a new leading expert axis. `read(suffix, out)` returns the checkpoint tensor `suffix` (the name after
+    `model.layers.N.`): written into `out` when one is given (an expert's slice of its stack), else as the
+    source has it. The one place experts are stacked, whether they come from a file or from memory."""
     out = {}
     for spec in block_weight_specs(cfg, cfg.layer_kind(layer)):
-        t = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype))
         if spec.name.startswith("mlp.experts."):
+            out[spec.name] = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype))
             for e, src in enumerate(stacked_source_names(spec.name, cfg.n_routed_experts)):
-                fill(src, t[e])
+                read(src, out[spec.name][e])
         else:
-            fill(spec.name, t)
-        out[spec.name] = t
+            out[spec.name] = read(spec.name, None)
     return out
 
 

@@ -147,7 +147,7 @@ class Checkpoint:
 
     def block_weights(self, i: int) -> dict[str, torch.Tensor]:
         """The weight inputs of layer i's block graph, in block_weight_specs order, routed experts stacked
-        to [E, ...]. Copies (one layer at a time, each tensor read straight into its place)."""
+        to [E, ...]. Copies, read without mapping (one layer at a time; each expert into its slice of the stack)."""
         prefix = layer_prefix(i)
         return assemble_block_weights(self.config, i, lambda suffix, out: self.read(prefix + suffix, out))
 

@@ -115,7 +115,8 @@ class RandomWeights:
 
     def block_weights(self, layer: int) -> dict[str, torch.Tensor]:
         tensors = self.layer(layer)
-        return W.assemble_block_weights(self.config, layer, lambda name, out: out.copy_(tensors[name]))
+        return W.assemble_block_weights(self.config, layer,
+                                       lambda name, out: tensors[name] if out is None else out.copy_(tensors[name]))
 
 
 def synthetic_tensors(cfg: K2Config, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
