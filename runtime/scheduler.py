@@ -30,9 +30,10 @@ from k2trt.runtime.timings import Timings
 
 FINISH_LENGTH, FINISH_STOP_TOKEN, FINISH_STOP_STRING, FINISH_CANCELLED = "length", "stop_token", "stop_string", \
     "cancelled"
-# a prefill step's attention spans B x T x (P + T) (mask, scores): chunks shrink so it stays under this many
-# elements. P counts only when some request has cached positions: fresh prompts attend over their own T alone
-# (16 fresh prompts of 512 tokens take one step, 16 x 512 x 512), long prompts' later chunks over the cache too.
+# a prefill step's mask is B x T x (P + T), P the cache capacity the step runs at (TensorRT's attention spans as
+# much; ONNX Runtime skips the P part when no prompt has cached positions, but the mask is built that wide):
+# chunks shrink so it stays under this many elements. P is the capacity every running request needs, not only
+# the prefilling ones: a long conversation decoding beside fresh prompts widens their step too.
 MASK_BUDGET = 1 << 22
 DEFAULT_PREFILL_CHUNK = 512
 
@@ -223,25 +224,26 @@ class Scheduler:
         self.timings.add_step(kind, time.perf_counter() - t0, n)
         return ids
 
-    def _size_cache(self, step_needs: int) -> None:
-        """Rows and capacity for the next step: enough for every running request and this step's writes,
-        bucketed; shrunk only when far too big, since each change copies the cache."""
+    def _capacity_for(self, step_needs: int) -> int:
+        """The capacity a step writing up to `step_needs` positions runs at: enough for every running request and
+        the step's writes, bucketed; shrunk only when far too big, since each change copies the cache."""
         needed = max([step_needs] + [r.cached for r in self.layout.order])
-        if not self.capacity // 4 < needed <= self.capacity:
-            self.capacity = bucket(needed, self.max_context)
+        return self.capacity if self.capacity // 4 < needed <= self.capacity else bucket(needed, self.max_context)
+
+    def _size_cache(self, step_needs: int) -> None:
+        """Rows and capacity for the next step."""
+        self.capacity = self._capacity_for(step_needs)
         rows = len(self.layout)
         if not self.rows // 4 < rows <= self.rows:
             self.rows = bucket(rows, self.max_slots, minimum=1)
 
     def _chunk_size(self, reqs: list[Request]) -> int:
-        """Prompt tokens per request in this step: the chunk, halved while the step's attention would exceed the
-        budget (it spans the written positions, so long prompts take smaller chunks)."""
+        """Prompt tokens per request in this step: the chunk, halved while the step's mask would exceed the budget
+        (it spans the cache's capacity, so long prompts and long neighbours make smaller chunks)."""
         chunk = self.prefill_chunk
-        past = any(r.cached for r in reqs)
         while chunk > 16:
             need = max(r.cached + min(chunk, len(r.prompt) - r.fed) for r in reqs)
-            keys = (bucket(need, self.max_context) if past else 0) + chunk
-            if len(reqs) * chunk * keys <= self.mask_budget:
+            if len(reqs) * chunk * (self._capacity_for(need) + chunk) <= self.mask_budget:
                 break
             chunk //= 2
         return chunk

@@ -69,3 +69,31 @@ def test_batched_greedy_picks_what_each_sampler_would():
     got = ex.sample(plan, st, torch.zeros(6, 1, CFG.hidden_size))
     expect = [int(Sampler(p)(logits[i:i + 1])[0]) for i, p in enumerate(params)]
     assert got == expect
+
+
+def test_prefill_masks_stay_in_budget_beside_a_long_conversation():
+    """A step's mask is B x T x (P + T) with P the cache's capacity, which a long request decoding beside fresh
+    prompts sets: the fresh prompts' chunks shrink with it, so every prefill step stays within the budget."""
+    from k2trt.runtime.scheduler import Request, Scheduler
+
+    class Recorder:  # an executor that records the plans and samples token 1 wherever asked
+        def __init__(self):
+            self.plans = []
+
+        def run(self, plan):
+            self.plans.append(plan)
+            return [1 if s else None for s in plan.sample]
+
+    budget = 1 << 20
+    executor = Recorder()
+    sched = Scheduler(executor, CFG, max_slots=8, max_context=8192, prefill_chunk=512, mask_budget=budget)
+    conversation = sched.submit(Request([5] * 4000, max_new_tokens=64))
+    while not conversation.token_ids:
+        sched.iteration()
+    fresh = [sched.submit(Request([7] * 512, max_new_tokens=4)) for _ in range(4)]
+    sched.run_until_idle()
+    assert all(r.finish_reason == "length" for r in [conversation, *fresh])
+    prefills = [p for p in executor.plans if p.width > 1]
+    assert any(p.capacity >= 4000 and p.batch == 4 for p in prefills)  # the fresh prompts beside the conversation
+    for p in prefills:
+        assert p.batch * p.width * (p.capacity + p.width) <= budget, (p.batch, p.width, p.capacity)
