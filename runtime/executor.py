@@ -96,9 +96,11 @@ class StageExecutor:
             picked = logits[greedy].float().argmax(dim=-1).tolist()
             for r, tok in zip(greedy, picked):
                 out[rows[r]] = tok
-        for r, (b, s) in enumerate(zip(rows, samplers)):
-            if not s.params.greedy:
-                out[b] = int(s(logits[r:r + 1])[0])
+        drawn = [r for r, s in enumerate(samplers) if not s.params.greedy]
+        if drawn:  # one copy to the host for all of them (each sampler would copy its own row: a sync each)
+            host = logits[drawn].float().cpu()
+            for k, r in enumerate(drawn):
+                out[rows[r]] = int(samplers[r](host[k:k + 1])[0])
         return out
 
     def run(self, plan: StepPlan) -> list[int | None]:
