@@ -45,9 +45,10 @@ class Handle:
 
 class Engine:
     def __init__(self, scheduler: Scheduler, max_waiting: int = 256, idle_wait_s: float = 0.02,
-                 on_error=None, on_done=None, keepalive_s: float = 10.0):
+                 on_error=None, keepalive_s: float = 10.0):
         self.scheduler = scheduler
-        self.on_done = on_done  # called (engine thread) with each handle whose request finished, however
+        # called (engine thread) with each handle whose request finished, however it ended; the app's metrics set it
+        self.on_done = None
         self.max_waiting = max_waiting
         self.idle_wait_s = idle_wait_s
         self.keepalive_s = keepalive_s  # an idle engine still steps this often (pipeline stages wait with a timeout)
@@ -59,7 +60,6 @@ class Engine:
         self._handles: dict[int, Handle] = {}
         self._thread = threading.Thread(target=self._loop, name="k2trt-engine", daemon=True)
         self.error: BaseException | None = None
-        self.iterations = 0
 
     # ---- the handlers' side ----------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -83,7 +83,7 @@ class Engine:
             raise QueueFull(f"{self.waiting} requests are waiting already")
         handle = Handle(request, asyncio.Queue(), loop)
         request.on_token = lambda req, tok, h=handle: self._push(h, tok)
-        request.on_finish = lambda req, h=handle: self._push(h, END)
+        request.on_finish = lambda req, h=handle: self._finished(h)
         self._inbox.put(handle)
         self._wake.set()
         return handle
@@ -117,7 +117,6 @@ class Engine:
                 self._take_inbox()
                 if self.scheduler.has_work():
                     self.scheduler.iteration()
-                    self.iterations += 1
                     last_step = time.monotonic()
                 elif time.monotonic() - last_step > self.keepalive_s:
                     self.scheduler.keepalive()
@@ -132,11 +131,11 @@ class Engine:
             if self.on_error:
                 self.on_error(e)
 
-    def _finished(self, handle: Handle, notify) -> None:
+    def _finished(self, handle: Handle) -> None:
         self._handles.pop(handle.request.id, None)
         if self.on_done:
             self.on_done(handle)
-        notify(handle.request)
+        self._push(handle, END)
 
     def _take_inbox(self) -> None:
         while True:
@@ -146,8 +145,6 @@ class Engine:
                 return
             req = handle.request
             self._handles[req.id] = handle
-            finish = req.on_finish
-            req.on_finish = lambda r, f=finish, h=handle: self._finished(h, f)
             if self._stopping:
                 req.cancelled = True
             self.scheduler.submit(req)
