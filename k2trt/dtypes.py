@@ -22,7 +22,6 @@ class DType:
     safetensors: str  # the dtype code in a safetensors header
     numpy: type | None  # NumPy scalar type, where NumPy has one
     trt: str | None  # tensorrt.DataType member name, where TensorRT has the type
-    mantissa_bits: int | None = None  # floating types: one ulp is at most 2**-mantissa_bits of the value
 
     @property
     def itemsize(self) -> int:
@@ -30,12 +29,12 @@ class DType:
 
 
 _ALL = (
-    DType("float32", torch.float32, TensorProto.FLOAT, "F32", np.float32, "FLOAT", 23),
-    DType("float16", torch.float16, TensorProto.FLOAT16, "F16", np.float16, "HALF", 10),
-    DType("bfloat16", torch.bfloat16, TensorProto.BFLOAT16, "BF16", None, "BF16", 7),
-    DType("float8_e4m3fn", torch.float8_e4m3fn, TensorProto.FLOAT8E4M3FN, "F8_E4M3", None, "FP8", 3),
-    DType("float8_e5m2", torch.float8_e5m2, TensorProto.FLOAT8E5M2, "F8_E5M2", None, None, 2),
-    DType("float64", torch.float64, TensorProto.DOUBLE, "F64", np.float64, None, 52),
+    DType("float32", torch.float32, TensorProto.FLOAT, "F32", np.float32, "FLOAT"),
+    DType("float16", torch.float16, TensorProto.FLOAT16, "F16", np.float16, "HALF"),
+    DType("bfloat16", torch.bfloat16, TensorProto.BFLOAT16, "BF16", None, "BF16"),
+    DType("float8_e4m3fn", torch.float8_e4m3fn, TensorProto.FLOAT8E4M3FN, "F8_E4M3", None, "FP8"),
+    DType("float8_e5m2", torch.float8_e5m2, TensorProto.FLOAT8E5M2, "F8_E5M2", None, None),
+    DType("float64", torch.float64, TensorProto.DOUBLE, "F64", np.float64, None),
     DType("int8", torch.int8, TensorProto.INT8, "I8", np.int8, "INT8"),
     DType("uint8", torch.uint8, TensorProto.UINT8, "U8", np.uint8, "UINT8"),
     DType("int16", torch.int16, TensorProto.INT16, "I16", np.int16, None),
@@ -68,10 +67,10 @@ def dtype(name: str) -> DType:
 
 def one_ulp(name: str) -> float:
     """The largest spacing between a value of this floating type and its neighbour, relative to the value."""
-    bits = dtype(name).mantissa_bits
-    if bits is None:
+    d = dtype(name).torch
+    if not d.is_floating_point:
         raise ValueError(f"{name} is not a floating type")
-    return 2.0 ** -bits
+    return torch.finfo(d).eps
 
 
 def torch_dtype(name: str) -> torch.dtype:
