@@ -14,7 +14,7 @@ from k2trt.export.block_graphs import KINDS, activation_io, build_block_graph
 from k2trt.export.checks import GraphCheckError, check_trt_operators
 from k2trt.export.exporter import export
 from k2trt.export.manifest import read_manifest
-from k2trt.export.onnx_ops import elem as onnx_elem
+from k2trt.export.onnx_ops import elem as onnx_elem, value_types
 from k2trt.export.split_moe import split_moe
 from k2trt.graphs.fp8 import quantize_weight as ref_quantize
 from k2trt.graphs import contracts
@@ -146,9 +146,7 @@ def test_trt_graphs_hold_one_plugin_per_kernel(act, aq):
     says for this activation dtype and FP8 mode (shape inference runs through the annotations)."""
     model = split_moe(build_block_graph(TINY, "moe_block", act, aq))
     check_trt_operators(model, "trt/moe_block")
-    inferred = onnx.shape_inference.infer_shapes(model).graph
-    types = {v.name: v.type.tensor_type.elem_type for v in list(inferred.input) + list(inferred.value_info)
-             + list(inferred.output)}
+    types = {name: t.elem_type for name, t in value_types(model).items()}
     seen = set()
     for node in model.graph.node:
         if node.domain != contracts.NAMESPACE:

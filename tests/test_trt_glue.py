@@ -26,6 +26,7 @@ from k2trt.config import K2Config
 from k2trt.errors import K2Error, MissingDependency
 from k2trt.export import manifest as export_manifest
 from k2trt.export.block_graphs import build_block_graph
+from k2trt.export.onnx_ops import dims, value_types
 from k2trt.dtypes import BY_ONNX
 from k2trt.graphs import contracts
 from k2trt.graphs.fp8 import fp8_block_linear as reference_linear
@@ -252,16 +253,6 @@ def test_plugin_functions_have_the_signatures_tensorrt_checks():
             assert list(inspect.signature(fn).parameters) == expected[role], (op, role)
 
 
-def _value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
-    inferred = onnx.shape_inference.infer_shapes(model)
-    g = inferred.graph
-    return {v.name: v.type for v in list(g.input) + list(g.value_info) + list(g.output)}
-
-
-def _dims(t: onnx.TypeProto) -> list:
-    return [d.dim_param or d.dim_value for d in t.tensor_type.shape.dim]
-
-
 @pytest.mark.parametrize("kind, act, aq", [("moe_block", "bfloat16", 1), ("moe_block", "float16", 0),
                                            ("dense_block", "float32", 1)])
 def test_exported_nodes_match_the_plugins(kind, act, aq):
@@ -270,7 +261,7 @@ def test_exported_nodes_match_the_plugins(kind, act, aq):
     from k2trt.export.split_moe import split_moe
 
     model = split_moe(build_block_graph(TINY, kind, act, aq))
-    types = _value_types(model)
+    types = value_types(model)
     specs = P.plugin_specs()
     custom = [n for n in model.graph.node if n.domain == contracts.NAMESPACE]
     assert {n.op_type for n in custom} == (set(specs) if kind == "moe_block" else {"Fp8BlockLinear"})
@@ -281,16 +272,16 @@ def test_exported_nodes_match_the_plugins(kind, act, aq):
         assert attrs["plugin_version"].s.decode() == spec.version
         assert set(attrs) - set(P.PARSER_ATTRIBUTES) == set(spec.attribute_names)
         values = {a: onnx.helper.get_attribute_value(attrs[a]) for a in spec.attribute_names}
-        dtypes = [BY_ONNX[types[v].tensor_type.elem_type].name for v in node.input]
+        dtypes = [BY_ONNX[types[v].elem_type].name for v in node.input]
         assert P.check_input_dtypes(node.op_type, dtypes, values) == (None if node.op_type == "MoeAlign" else act)
-        assert [BY_ONNX[types[v].tensor_type.elem_type].name for v in node.output] == \
+        assert [BY_ONNX[types[v].elem_type].name for v in node.output] == \
             P.io_dtypes(node.op_type, act, aq)[len(node.input):]
-        if any(isinstance(d, str) and d.startswith("unk") for v in node.input for d in _dims(types[v])):
+        if any(isinstance(d, str) and d.startswith("unk") for v in node.input for d in dims(types[v])):
             continue  # shape inference lost a dim (TopK's k is an input): the node cases check those plugins
         for b, t in ((1, 1), (2, 3)):
-            concrete = lambda dims: [eval_dim(d, {"B": b, "T": t}) for d in dims]  # noqa: E731
-            rule = P.output_shapes(node.op_type, [concrete(_dims(types[v])) for v in node.input], values)
-            assert rule == [concrete(_dims(types[v])) for v in node.output], node.name
+            concrete = lambda shape: [eval_dim(d, {"B": b, "T": t}) for d in shape]  # noqa: E731
+            rule = P.output_shapes(node.op_type, [concrete(dims(types[v])) for v in node.input], values)
+            assert rule == [concrete(dims(types[v])) for v in node.output], node.name
 
 
 def test_aot_attribute_is_written_on_every_plugin_node(tmp_path):
