@@ -93,7 +93,8 @@ class StageExecutor:
         samplers = [self.samplers[plan.first + b] for b in rows]
         greedy = [r for r, s in enumerate(samplers) if s.params.greedy]
         if greedy:  # greedy rows draw nothing: one argmax for all of them picks what each sampler would
-            picked = logits[greedy].float().argmax(dim=-1).tolist()
+            rows_of = logits if len(greedy) == len(samplers) else logits[greedy]  # all greedy: no gather copy
+            picked = rows_of.float().argmax(dim=-1).tolist()
             for r, tok in zip(greedy, picked):
                 out[rows[r]] = tok
         drawn = [r for r, s in enumerate(samplers) if not s.params.greedy]
