@@ -4,7 +4,7 @@
 fresh child process (the tiny checkpoint through ONNX Runtime unless --model/--onnx say otherwise) and reports the
 child's peak RSS growth during the prefill — the high-water mark is reset just before it — against the bound:
 
-    latent cache (it must hold the prompt) + (3 x heads + 4) x 4 bytes x mask budget + 64 MiB
+    latent cache (it must hold the prompt) + (3 x heads + 4) x 4 bytes x mask budget + 16 MiB (SLACK)
 
 The scheduler shrinks a prompt's chunks so that a step's mask stays under the budget (runtime/scheduler.py,
 MASK_BUDGET elements); a step's attention holds a few float32 tensors of heads x mask elements (scores,
@@ -32,6 +32,7 @@ CHILD = textwrap.dedent("""
     from k2trt.runtime.backends import BackendChoice, open_backend
     from k2trt.runtime.generator import Generator
     from k2trt.runtime.loader import open_model
+    from k2trt.runtime.tokenizer import NUM_RESERVED_SPECIAL
     from k2trt.tools.stream_bench import proc_status as status
 
     model, onnx, budget = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -43,7 +44,7 @@ CHILD = textwrap.dedent("""
         gen.scheduler.mask_budget = budget
     gen.generate([[5] * 64], 1)  # warm-up: sessions and arenas made
     n = int(sys.argv[4])
-    prompt = [(i * 7919) % (ckpt.config.vocab_size - 256) for i in range(n)]
+    prompt = [(i * 7919) % (ckpt.config.vocab_size - NUM_RESERVED_SPECIAL) for i in range(n)]
     chunks = []
     open("/proc/self/clear_refs", "w").write("5")  # reset the high-water mark (VmHWM) to the current RSS
     base, t0 = status("VmHWM"), time.perf_counter()
