@@ -22,7 +22,7 @@ import functools
 import hashlib
 import itertools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import triton
 
@@ -123,6 +123,18 @@ def _compile(plan, target: Target | None):
         raise ValueError(f"{plan.label}: the kernel needs Triton scratch memory, which TensorRT cannot provide")
     runtime_params = sum(1 for v in sig.values() if v != "constexpr")
     return md.name, strip_unused_params(compiled.asm["ptx"], md.name, runtime_params), md.num_warps, md.shared
+
+
+def shrink_tiles(plan, narrow_n: bool = True):
+    """The next smaller config of a GEMM plan, or None: fewer stages, then (where `narrow_n`) narrower N down to
+    32, then fewer rows down to 16."""
+    if plan.num_stages > 1:
+        return replace(plan, num_stages=plan.num_stages - 1)
+    if narrow_n and plan.block_n > 32:
+        return replace(plan, block_n=plan.block_n // 2, num_stages=2)
+    if plan.block_m > 16:
+        return replace(plan, block_m=plan.block_m // 2, num_stages=2)
+    return None
 
 
 def compile_plan(plan, target: Target | None = None):

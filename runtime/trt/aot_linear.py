@@ -18,6 +18,7 @@ from k2trt.dtypes import torch_dtype
 from k2trt.graphs.fp8 import BLOCK, PER_TOKEN_GROUP, WEIGHT_DEQUANT, cdiv
 from k2trt.runtime.kernels.fp8_linear import (_grouped_tile, _quant_group, _scaled_dot, _to_act, act_code, dot16,
                                               tactic_config)
+from k2trt.runtime.trt.aot import shrink_tiles
 
 # activation dtype name -> Triton pointer type (the kernels' ACT code comes from fp8_linear.act_code)
 ACT_POINTERS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -109,18 +110,7 @@ class AotLinearPlan:
         return ((m + self.block_m - 1) // self.block_m) * cdiv(self.n, self.block_n)  # m may be an expression
 
     def shrink(self) -> "AotLinearPlan | None":
-        """The next smaller config (fewer stages, then narrower N, then fewer rows), or None."""
-        if self.num_stages > 1:
-            return _replace(self, num_stages=self.num_stages - 1)
-        if self.block_n > 32:
-            return _replace(self, block_n=self.block_n // 2, num_stages=2)
-        if self.block_m > 16:
-            return _replace(self, block_m=self.block_m // 2, num_stages=2)
-        return None
-
-
-def _replace(plan: AotLinearPlan, **kw) -> AotLinearPlan:
-    return AotLinearPlan(**{**plan.__dict__, **kw})
+        return shrink_tiles(self)
 
 
 def plan_for(act: str, n: int, k: int, activation_quant: int, tactic: int) -> AotLinearPlan:

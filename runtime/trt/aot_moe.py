@@ -9,11 +9,12 @@ TensorRT shape expressions alike (minimum: tensorrt.plugin.min for expressions).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from k2trt.dtypes import torch_dtype
 from k2trt.graphs.fp8 import PER_TOKEN_GROUP, cdiv
 from k2trt.runtime.kernels import moe
+from k2trt.runtime.trt.aot import shrink_tiles
 from k2trt.runtime.trt.aot_linear import act_pointer
 
 
@@ -86,14 +87,8 @@ class GemmPlan:
                                    self.activation_quant, torch_dtype(self.act))
 
     def shrink(self):
-        """Fewer stages, then (down only: gate+up tiles are one 128-wide group) narrower N, then fewer rows."""
-        if self.num_stages > 1:
-            return replace(self, num_stages=self.num_stages - 1)
-        if self.stage == "down" and self.block_n > 32:
-            return replace(self, block_n=self.block_n // 2, num_stages=2)
-        if self.block_m > 16:
-            return replace(self, block_m=self.block_m // 2, num_stages=2)
-        return None
+        """As every GEMM plan shrinks, but N narrows for down only: gate+up tiles are one 128-wide group."""
+        return shrink_tiles(self, narrow_n=self.stage == "down")
 
     def grid(self, num_pairs, num_tokens, minimum=min):
         return (moe.gemm_grid(num_pairs, self.num_experts, self.out_cols, self.tiles, minimum), 1)
