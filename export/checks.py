@@ -37,10 +37,11 @@ def check_trt_operators(model: onnx.ModelProto, label: str) -> None:
     table = trt_operator_table()["operators"]
     constants = {i.name for i in model.graph.initializer}
     constants |= {o for n in model.graph.node if n.op_type == "Constant" for o in n.output}
+    plugins = {c.op_type for c in contracts.TENSORRT}
     for node in model.graph.node:
         where = f"{label}: node {node.name!r} ({node.domain or 'ai.onnx'}::{node.op_type})"
         if node.domain == contracts.NAMESPACE:
-            if node.op_type not in {c.op_type for c in contracts.TENSORRT}:
+            if node.op_type not in plugins:
                 how = contracts.CONTRACTS[node.op_type].tensorrt if node.op_type in contracts.CONTRACTS else ""
                 raise GraphCheckError(f"{where} is not one of our plugin nodes" + (f" (it is {how})" if how else ""))
             attrs = {a.name: a for a in node.attribute}

@@ -38,8 +38,8 @@ def _check_stat(path: Path, st: os.stat_result, limit: int | None, error) -> Non
         raise error(f"{path}: is {st.st_size:,} bytes, more than the {limit:,} a file of this kind may have")
 
 
-def regular_file(path: str | Path, error=K2Error, limit: int | None = None, missing: str | None = None) -> Path:
-    """`path` if it is (or links to) a regular file of at most `limit` bytes; else one clear error.
+def regular_file(path: str | Path, error=K2Error, missing: str | None = None) -> Path:
+    """`path` if it is (or links to) a regular file; else one clear error.
     `missing` replaces the default message for a file that does not exist."""
     path = Path(path)
     try:
@@ -48,7 +48,7 @@ def regular_file(path: str | Path, error=K2Error, limit: int | None = None, miss
         raise error(missing or f"{path}: no such file") from None
     except OSError as e:
         raise error(f"{path}: cannot read ({e.strerror})") from None
-    _check_stat(path, st, limit, error)
+    _check_stat(path, st, None, error)
     return path
 
 
