@@ -95,7 +95,7 @@ def _environment(state: dict) -> str:
     state["env"] = env
     target = build.configure_aot_target(env) if state["plugins"] == "aot" else None
     ptx = "" if target is None or target.ptx_version is None else \
-        f", AOT kernels as PTX {target.ptx_version // 10}.{target.ptx_version % 10}"
+        f", AOT kernels as PTX {environment.ptx_text(target.ptx_version)}"
     return (f"TensorRT {env['tensorrt_version']}; {env['gpu_name']} (sm {env['compute_capability']}); "
             f"driver CUDA {env['cuda_driver']}{ptx}; torch {torch.__version__} (CUDA {torch.version.cuda}); "
             f"Triton {triton.__version__}")

@@ -76,7 +76,7 @@ def build_engines(onnx_dir: Path, out: Path, spec: ProfileSpec, kinds=KINDS, plu
     target = configure_aot_target(env) if aot else None
     log(f"TensorRT {env['tensorrt_version']} on {env['gpu_name']} (sm {env['compute_capability']}, driver CUDA "
         f"{env['cuda_driver']}); plugins: {plugins}"
-        + (f", PTX {target.ptx_version // 10}.{target.ptx_version % 10}" if target and target.ptx_version else ""))
+        + (f", PTX {environment.ptx_text(target.ptx_version)}" if target and target.ptx_version else ""))
     log(f"profiles: prefill T 1..{spec.max_prefill}, decode T 1; B 1..{spec.max_batch}, P 1..{spec.max_seq}")
     builder = Builder(trt, spec, timing_cache, verbose, logger)
     engines = {}

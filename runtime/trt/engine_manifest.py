@@ -15,7 +15,7 @@ from k2trt.files import member, read_json_object, sha256_file, write_json
 from k2trt.errors import K2Error
 from k2trt.export.manifest import IO_SCHEMA
 from k2trt.schema import ListOf, MapOf, check
-from k2trt.runtime.trt.environment import current_environment, max_ptx_for_cuda
+from k2trt.runtime.trt.environment import current_environment, max_ptx_for_cuda, ptx_text
 from k2trt.runtime.trt.profiles import Profile, ProfileSpec
 
 FORMAT = "k2trt-engines/1"
@@ -99,9 +99,10 @@ def check_ptx(manifest: dict, env: dict, where: str) -> None:
     if ptx is None or driver is None:
         return
     major, minor = (int(v) for v in driver.split("."))
-    if ptx > max_ptx_for_cuda(major, minor):
-        raise EngineMismatch(f"{where}: the engines' AOT kernels are PTX {ptx // 10}.{ptx % 10}, this driver "
-                             f"(CUDA {driver}) loads up to {max_ptx_for_cuda(major, minor) / 10:.1f}; "
+    limit = max_ptx_for_cuda(major, minor)
+    if ptx > limit:
+        raise EngineMismatch(f"{where}: the engines' AOT kernels are PTX {ptx_text(ptx)}, this driver "
+                             f"(CUDA {driver}) loads up to {ptx_text(limit)}; "
                              "rebuild them here or update the driver")
 
 

@@ -78,6 +78,11 @@ def max_ptx_for_cuda(major: int, minor: int) -> int:
     raise ValueError(f"CUDA {major}.{minor} is older than TensorRT 10 supports")
 
 
+def ptx_text(version: int) -> str:
+    """A PTX ISA version as PTX spells it: 88 -> "8.8"."""
+    return f"{version // 10}.{version % 10}"
+
+
 def triton_ptx_version(arch: int) -> int | None:
     """The PTX ISA Triton's bundled ptxas handles (Triton's own default), or None if this Triton cannot say."""
     try:
