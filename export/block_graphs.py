@@ -8,12 +8,11 @@ their float32 block scales (graphs/weights.graph_dtype).
 
 from __future__ import annotations
 
-from k2trt.config import K2Config
+from k2trt.config import BLOCK_ACTIVATIONS, BLOCK_KINDS, K2Config
 from k2trt.export.onnx_ops import OnnxOps
 from k2trt.graphs import blocks
 from k2trt.graphs import weights as W
 
-KINDS = ("embedding", "dense_block", "moe_block", "head")
 OPSET = 20  # the newest opset onnx-tensorrt documents for TensorRT 10.0 (9-20); nothing here needs 21
 IR_VERSION = 10  # onnxruntime rejects onnx 1.23's default IR 14
 
@@ -21,17 +20,6 @@ IR_VERSION = 10  # onnxruntime rejects onnx 1.23's default IR 14
 def weight_inputs(ops: OnnxOps, cfg: K2Config, kind: str) -> dict:
     return {s.name: ops.input(s.name, W.graph_dtype(s.dtype, ops.act_dtype), list(s.shape))
             for s in W.graph_weight_specs(cfg, kind)}
-
-
-# Each kind's activation inputs and outputs, in the order of the Backend interface (runtime/backend.py).
-ACTIVATIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "embedding": (("input_ids",), ("hidden_states",)),
-    "dense_block": (("hidden_states", "rope_cos", "rope_sin", "attention_mask", "latent_cache"),
-                    ("hidden_states_out", "latent_new")),
-    "moe_block": (("hidden_states", "rope_cos", "rope_sin", "attention_mask", "latent_cache"),
-                  ("hidden_states_out", "latent_new")),
-    "head": (("hidden_states",), ("logits",)),
-}
 
 
 def activation_io(cfg: K2Config, kind: str, act: str) -> tuple[list, list]:
@@ -44,14 +32,14 @@ def activation_io(cfg: K2Config, kind: str, act: str) -> tuple[list, list]:
         "hidden_states_out": (act, ["B", "T", d]), "latent_new": (act, ["B", "T", lat]),
         "logits": ("float32", ["B", "T", cfg.vocab_size]),
     }
-    ins, outs = ACTIVATIONS[kind]
+    ins, outs = BLOCK_ACTIVATIONS[kind]
     return [(n, *types[n]) for n in ins], [(n, *types[n]) for n in outs]
 
 
 def build_block_graph(cfg: K2Config, kind: str, act_dtype: str = "float32", activation_quant: int = 1):
     """The TensorRT-bound graph of one block kind (custom FP8 nodes for TensorRT's plugins)."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown block kind {kind!r}; expected one of {KINDS}")
+    if kind not in BLOCK_KINDS:
+        raise ValueError(f"unknown block kind {kind!r}; expected one of {BLOCK_KINDS}")
     ops = OnnxOps(act_dtype, OPSET)
     ins, outs = activation_io(cfg, kind, act_dtype)
     a = {name: ops.input(name, dt, shape) for name, dt, shape in ins}

@@ -10,7 +10,8 @@ from k2trt.config import K2Config
 from k2trt.dirlock import writing
 from k2trt.errors import K2Error
 from k2trt.export import manifest as M
-from k2trt.export.block_graphs import KINDS, activation_io, build_block_graph
+from k2trt.config import BLOCK_KINDS
+from k2trt.export.block_graphs import activation_io, build_block_graph
 from k2trt.export.checks import check_onnx, check_trt_operators
 from k2trt.export.lower_ort import lower_for_ort
 from k2trt.export.onnx_ops import weight_prep
@@ -51,19 +52,19 @@ def _export(cfg: K2Config, out: Path, act_dtype: str, activation_quant: int, for
     previous = M.load_if_current(out, cfg, act_dtype, activation_quant)
     graphs: dict[str, dict] = {}
     t_all = time.perf_counter()
-    for i, kind in enumerate(KINDS, 1):
+    for i, kind in enumerate(BLOCK_KINDS, 1):
         keys = (f"trt/{kind}", f"ort/{kind}")
         if not force and previous and all(M.entry_is_current(out, previous["graphs"].get(k)) for k in keys):
             graphs.update({k: previous["graphs"][k] for k in keys})
-            log(f"[{i}/{len(KINDS)}] {kind}: up to date")
+            log(f"[{i}/{len(BLOCK_KINDS)}] {kind}: up to date")
             continue
         t0 = time.perf_counter()
         written = export_kind(cfg, out, kind, act_dtype, activation_quant)
         graphs.update(written)
         trt_entry = written[keys[0]]
-        log(f"[{i}/{len(KINDS)}] {kind}: {trt_entry['nodes']} nodes, {len(trt_entry['weights'])} weight inputs "
+        log(f"[{i}/{len(BLOCK_KINDS)}] {kind}: {trt_entry['nodes']} nodes, {len(trt_entry['weights'])} weight inputs "
             f"({time.perf_counter() - t0:.1f}s)")
     manifest = M.make_manifest(cfg, act_dtype, activation_quant, graphs)
     M.write_manifest(out, manifest)
-    log(f"exported {len(KINDS)} block kinds to {out} in {time.perf_counter() - t_all:.1f}s")
+    log(f"exported {len(BLOCK_KINDS)} block kinds to {out} in {time.perf_counter() - t_all:.1f}s")
     return manifest

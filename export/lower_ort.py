@@ -10,7 +10,7 @@ normalize_routing_weights=1; the op then weighs expert e by w_e / Σw, and the o
 computes in the W8A16 convention.)
 
 The preparations come from the registry in graphs/weight_prep.py; the lowered graph records, for each new input,
-which one and from which graph inputs, and the runtime applies it (runtime/graph_weights.py).
+which one and from which graph inputs, and the runtime applies it (runtime/backends/graph_weights.py).
 """
 
 from __future__ import annotations

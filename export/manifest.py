@@ -12,15 +12,14 @@ import onnx
 
 import k2trt
 from k2trt.atomic import atomic_path
-from k2trt.files import member, read_json_object, sha256_file, write_json
+from k2trt.export_manifest import FORMAT, graph_path, read_manifest
+from k2trt.files import sha256_file, write_json
 from k2trt.config import K2Config
 from k2trt.errors import K2Error
-from k2trt.export.block_graphs import IR_VERSION, KINDS, OPSET
+from k2trt.config import BLOCK_KINDS
+from k2trt.export.block_graphs import IR_VERSION, OPSET
 from k2trt.export.onnx_ops import dims
-from k2trt.dtypes import BY_ONNX, DTYPES
-from k2trt.schema import ListOf, MapOf, check
-
-FORMAT = "k2trt-export/1"
+from k2trt.dtypes import BY_ONNX
 
 # The modules whose code decides what the graphs contain: a change to any of them makes old graphs stale.
 GRAPH_SOURCES = ("k2trt.dtypes", "k2trt.graphs.blocks", "k2trt.graphs.contracts", "k2trt.graphs.weights",
@@ -71,7 +70,7 @@ def write_graph(out: Path, key: str, kind: str, form: str, model: onnx.ModelProt
 
 
 def make_manifest(cfg: K2Config, act_dtype: str, activation_quant: int, graphs: dict) -> dict:
-    layers = {kind: [] for kind in KINDS}
+    layers = {kind: [] for kind in BLOCK_KINDS}
     for i in range(cfg.num_hidden_layers):
         layers[cfg.layer_kind(i)].append(i)
     return {
@@ -94,49 +93,6 @@ def write_manifest(out: Path, manifest: dict) -> None:
     write_json(out / "manifest.json", manifest)
 
 
-# What the runtime and the engine builder read from a manifest; read_manifest checks it all before they do.
-IO_SCHEMA = ListOf({"name": str, "dtype": str, "shape": ListOf((str, int))})
-GRAPH_SCHEMA = {"form": str, "kind": str, "file": str, "sha256": str, "inputs": IO_SCHEMA, "outputs": IO_SCHEMA,
-                "weights": ListOf(str), "prep": MapOf({"op": str, "from": ListOf(str)})}
-SCHEMA = {"config_fingerprint": str, "config": dict, "act_dtype": str, "activation_quant": int,
-          "layers": MapOf(ListOf(int)), "graphs": MapOf(GRAPH_SCHEMA)}
-
-
-class DamagedManifest(K2Error):
-    def __init__(self, message: str):
-        super().__init__(f"{message} (damaged; re-export)")
-
-
-def read_manifest(export_dir: Path) -> dict:
-    path = Path(export_dir) / "manifest.json"
-    m = read_json_object(path, "run `k2trt export` first")
-    if m.get("format") != FORMAT:
-        raise K2Error(f"{path}: format {m.get('format')!r} is not {FORMAT!r} (re-export with this version)")
-    check(m, SCHEMA, str(path), DamagedManifest)
-    if m["act_dtype"] not in DTYPES:
-        raise DamagedManifest(f"{path}: act_dtype {m['act_dtype']!r} is not a dtype")
-    for key, entry in m["graphs"].items():
-        graph_path(export_dir, entry, f"{path}: graph {key}")  # a file named there must lie inside the directory
-    return m
-
-
-def graph_path(export_dir: Path, entry: dict, where: str = "manifest.json") -> Path:
-    return member(Path(export_dir), entry["file"], where, DamagedManifest)
-
-
-def graph_file(export_dir: Path, manifest: dict, key: str) -> Path:
-    """The file of graph `key`, checked against the manifest's hash (a damaged export fails here, clearly)."""
-    entry = manifest["graphs"].get(key)
-    if entry is None:
-        raise K2Error(f"{export_dir}: the manifest has no graph {key} (re-export)")
-    path = graph_path(export_dir, entry)
-    if not path.exists():
-        raise K2Error(f"{path}: missing (re-export)")
-    if sha256_file(path) != entry["sha256"]:
-        raise K2Error(f"{path}: changed since export (sha256 differs from the manifest); re-export")
-    return path
-
-
 def load_if_current(out: Path, cfg: K2Config, act_dtype: str, activation_quant: int) -> dict | None:
     """The existing manifest if it was written for the same config, dtype, mode and exporter code."""
     try:
@@ -154,10 +110,3 @@ def entry_is_current(out: Path, entry: dict | None) -> bool:
         return False
     path = graph_path(out, entry)
     return path.exists() and sha256_file(path) == entry["sha256"]
-
-
-def check_matches(manifest: dict, cfg: K2Config, where: str) -> None:
-    """Refuse graphs exported for another config."""
-    if manifest["config_fingerprint"] != cfg.fingerprint():
-        raise K2Error(f"{where}: the graphs were exported for another config "
-                      f"(fingerprint {manifest['config_fingerprint']}, checkpoint {cfg.fingerprint()}); re-export")

@@ -23,6 +23,18 @@ class ConfigError(K2Error, ValueError):
 
 SUPPORTED_MODEL_TYPES = ("kimi_k2", "deepseek_v3")
 
+# The block kinds: one graph (and one engine) each; K2Config.layer_kind names a layer's.
+BLOCK_KINDS = ("embedding", "dense_block", "moe_block", "head")
+# Each kind's activation inputs and outputs, in the order of the Backend interface (runtime/backends/contract.py).
+BLOCK_ACTIVATIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "embedding": (("input_ids",), ("hidden_states",)),
+    "dense_block": (("hidden_states", "rope_cos", "rope_sin", "attention_mask", "latent_cache"),
+                    ("hidden_states_out", "latent_new")),
+    "moe_block": (("hidden_states", "rope_cos", "rope_sin", "attention_mask", "latent_cache"),
+                  ("hidden_states_out", "latent_new")),
+    "head": (("hidden_states",), ("logits",)),
+}
+
 
 @dataclass(frozen=True)
 class RopeScaling:

@@ -10,10 +10,11 @@ import torch
 from onnx import helper
 
 from k2trt.config import K2Config
-from k2trt.export.block_graphs import KINDS, activation_io, build_block_graph
+from k2trt.config import BLOCK_KINDS
+from k2trt.export.block_graphs import activation_io, build_block_graph
 from k2trt.export.checks import GraphCheckError, check_trt_operators
 from k2trt.export.exporter import export
-from k2trt.export.manifest import read_manifest
+from k2trt.export_manifest import read_manifest
 from k2trt.export.onnx_ops import elem as onnx_elem, value_types
 from k2trt.export.split_moe import split_moe
 from k2trt.graphs.fp8 import quantize_weight as ref_quantize
@@ -23,7 +24,7 @@ from k2trt.tools.synthetic import RandomWeights
 from k2trt.graphs.mask import attention_mask
 from k2trt.graphs.reference import ReferenceModel
 from k2trt.graphs.rope import rope_tables
-from k2trt.runtime.ort_backend import OrtBackend
+from k2trt.runtime.backends.ort import OrtBackend
 
 TINY = K2Config.preset("tiny")
 TOL = 1e-4
@@ -105,13 +106,13 @@ def test_real_size_graph_weight_inputs_add_up():
 def test_export_writes_manifest_and_skips_up_to_date(tmp_path):
     lines = []
     m = export(TINY, tmp_path, "float32", log=lines.append)
-    assert set(m["graphs"]) == {f"{form}/{k}" for form in ("trt", "ort") for k in KINDS}
+    assert set(m["graphs"]) == {f"{form}/{k}" for form in ("trt", "ort") for k in BLOCK_KINDS}
     assert m["layers"] == {"embedding": [], "dense_block": [0], "moe_block": [1, 2, 3], "head": []}
     assert m["opset"] == 20 and m["ir_version"] == 10 and m["config_fingerprint"] == TINY.fingerprint()
     assert read_manifest(tmp_path)["graphs"]["trt/moe_block"]["inputs"][0]["shape"] == ["B", "T", 128]
     lines.clear()
     export(TINY, tmp_path, "float32", log=lines.append)
-    assert sum("up to date" in line for line in lines) == len(KINDS)
+    assert sum("up to date" in line for line in lines) == len(BLOCK_KINDS)
     assert not list(tmp_path.rglob("*.tmp"))  # nothing half-written left behind
 
 
@@ -222,7 +223,7 @@ def test_operator_check_rejects_planted_node(op, domain, why):
 
 def test_lowered_graphs_have_no_custom_nodes(random_export):
     m = read_manifest(random_export)
-    for kind in KINDS:
+    for kind in BLOCK_KINDS:
         g = onnx.load(str(random_export / m["graphs"][f"ort/{kind}"]["file"]))
         assert not [n for n in g.graph.node if n.domain == contracts.NAMESPACE]
 

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("triton", reason="the Triton kernels need the triton package (pip install triton)")
 
-from tolerances import TIGHT, assert_close, one_ulp  # noqa: E402
+from tolerances import TIGHT, assert_close  # noqa: E402
 
 from k2trt.graphs import fp8 as ref  # noqa: E402
 from k2trt.graphs import moe_ref  # noqa: E402

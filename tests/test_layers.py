@@ -1,4 +1,5 @@
-"""The layers import one way: base -> config -> graphs -> checkpoint files -> export -> runtime -> tools.
+"""The layers import one way: base -> config -> graphs -> checkpoint files -> export manifests -> export -> runtime
+(kernels -> backend contract -> TensorRT -> backends -> text -> generation -> distributed -> serve -> commands) -> tools.
 
 Every import of a k2trt module anywhere in a file (module level or inside a function) is an edge; an edge from a
 lower layer to a higher one fails, naming the file and the import. Every module must belong to a layer."""
@@ -19,8 +20,19 @@ LAYERS = [
     ("config", ["k2trt.config"]),
     ("graphs", ["k2trt.graphs"]),
     ("checkpoint", ["k2trt.safetensors_io", "k2trt.checkpoint", "k2trt.checkpoint_writer"]),
+    ("artifacts", ["k2trt.export_manifest"]),
     ("export", ["k2trt.export"]),
-    ("runtime", ["k2trt.runtime"]),
+    # the runtime's rooms, one way too: kernels, the backend contract, TensorRT, the other backends and their
+    # factory, text, the step loop, pipeline stages, the server, the commands
+    ("runtime.kernels", ["k2trt.runtime", "k2trt.runtime.kernels"]),
+    ("runtime.contract", ["k2trt.runtime.backends.contract", "k2trt.runtime.backends.graph_weights"]),
+    ("runtime.trt", ["k2trt.runtime.trt"]),
+    ("runtime.backends", ["k2trt.runtime.backends"]),
+    ("runtime.text", ["k2trt.runtime.text"]),
+    ("runtime.generation", ["k2trt.runtime.generation"]),
+    ("runtime.distributed", ["k2trt.runtime.distributed"]),
+    ("runtime.serve", ["k2trt.runtime.serve"]),
+    ("runtime.commands", ["k2trt.runtime.commands"]),
     ("tools", ["k2trt.tools", "k2trt.cli"]),
 ]
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)}
@@ -85,6 +97,6 @@ def test_imports_go_one_way():
 def test_a_back_edge_is_caught(tmp_path):
     """The check itself: a graphs module importing the runtime inside a function is reported."""
     planted = tmp_path / "oops.py"
-    planted.write_text("def f():\n    from k2trt.runtime.generator import Generator\n")
+    planted.write_text("def f():\n    from k2trt.runtime.generation.generator import Generator\n")
     back = back_edges({**modules(), "k2trt.graphs.oops": planted})
-    assert back == [f"{planted}:2 (graphs) imports k2trt.runtime.generator (runtime)"]
+    assert back == [f"{planted}:2 (graphs) imports k2trt.runtime.generation.generator (runtime.generation)"]

@@ -18,7 +18,7 @@ import pytest
 
 from k2trt.config import K2Config
 from k2trt.errors import K2Error
-from k2trt.runtime.distributed import placement as P
+from k2trt.runtime.distributed import placement
 
 K2TRT = [sys.executable, "-m", "k2trt.cli"]
 PROMPTS = ["The quick brown fox jumps over", "Hello",
@@ -29,11 +29,11 @@ PROMPTS = ["The quick brown fox jumps over", "Hello",
 
 def k2_items(max_context=4096, max_batch=1):
     cfg = K2Config.preset("kimi-k2")
-    return P.items_from_config(cfg, P.cache_bytes_per_layer(cfg, max_context, max_batch))
+    return placement.items_from_config(cfg, placement.cache_bytes_per_layer(cfg, max_context, max_batch))
 
 
 def test_k2_on_8_h200_is_the_notes_plan():
-    plan = P.plan_stages(k2_items(), 8, P.parse_size("140GiB"))
+    plan = placement.place_stages(k2_items(), 8, placement.parse_size("140GiB"))
     assert plan.fits
     assert [s.describe() for s in plan.stages] == [
         "embedding + 0–7", "8–15", "16–23", "24–31", "32–39", "40–46", "47–53", "54–60 + head"]
@@ -42,7 +42,7 @@ def test_k2_on_8_h200_is_the_notes_plan():
 
 
 def test_k2_on_16_h100_is_twelve_stages_of_four_moe_blocks_and_four_of_three():
-    plan = P.plan_stages(k2_items(), 16, P.parse_size("79.6GiB"))
+    plan = placement.place_stages(k2_items(), 16, placement.parse_size("79.6GiB"))
     cfg = K2Config.preset("kimi-k2")
     moe = [sum(cfg.is_moe_layer(i) for i in s.layers) for s in plan.stages]
     assert plan.fits and sorted(moe) == [3] * 4 + [4] * 12
@@ -52,8 +52,8 @@ def test_k2_on_16_h100_is_twelve_stages_of_four_moe_blocks_and_four_of_three():
 def test_k2_on_4_h200_is_refused_with_the_smallest_count_that_fits(capsys):
     from k2trt.cli import main
 
-    assert not P.plan_stages(k2_items(), 4, P.parse_size("140GiB")).fits
-    assert P.smallest_fitting(k2_items(), P.parse_size("140GiB"), P.DEFAULT_RESERVE, 5) == 8
+    assert not placement.place_stages(k2_items(), 4, placement.parse_size("140GiB")).fits
+    assert placement.smallest_fitting(k2_items(), placement.parse_size("140GiB"), placement.DEFAULT_RESERVE, 5) == 8
     rc = main(["plan", "--preset", "kimi-k2", "--devices", "4", "--device-memory", "140GiB"])
     cap = capsys.readouterr()
     assert rc == 2 and "embedding + 0–15" in cap.out
@@ -63,13 +63,13 @@ def test_k2_on_4_h200_is_refused_with_the_smallest_count_that_fits(capsys):
 def test_explicit_split_is_validated_the_same_way(capsys):
     from k2trt.cli import main
 
-    plan = P.plan_stages(k2_items(), 8, P.parse_size("140GiB"), counts=[8, 8, 8, 8, 8, 7, 7, 7])
+    plan = placement.place_stages(k2_items(), 8, placement.parse_size("140GiB"), counts=[8, 8, 8, 8, 8, 7, 7, 7])
     assert plan.fits and plan.counts() == [8, 8, 8, 8, 8, 7, 7, 7]
-    assert not P.plan_stages(k2_items(), 8, P.parse_size("140GiB"), counts=[10, 8, 8, 8, 7, 7, 7, 6]).fits
+    assert not placement.place_stages(k2_items(), 8, placement.parse_size("140GiB"), counts=[10, 8, 8, 8, 7, 7, 7, 6]).fits
     with pytest.raises(K2Error, match="adding up to 61"):
-        P.plan_stages(k2_items(), 8, P.parse_size("140GiB"), counts=[8] * 8)
+        placement.place_stages(k2_items(), 8, placement.parse_size("140GiB"), counts=[8] * 8)
     with pytest.raises(K2Error, match="gives 2 stages for 8 devices"):
-        P.plan_stages(k2_items(), 8, P.parse_size("140GiB"), counts=[30, 31])
+        placement.place_stages(k2_items(), 8, placement.parse_size("140GiB"), counts=[30, 31])
     rc = main(["plan", "--preset", "kimi-k2", "--devices", "8", "--device-memory", "140GiB",
                "--stages", "10,8,8,8,7,7,7,6", "--json"])
     cap = capsys.readouterr()
@@ -80,18 +80,18 @@ def test_plan_counts_the_cache_for_the_requested_context_and_batch():
     small, big = k2_items(4096, 1), k2_items(131072, 8)
     cfg = K2Config.preset("kimi-k2")
     assert big[5].cache_bytes == 131072 * 8 * cfg.latent_dim * 2 and small[5].cache_bytes * 256 == big[5].cache_bytes
-    assert not P.plan_stages(big, 8, P.parse_size("140GiB")).fits  # 8 layers x 1.2 GB of cache tips it over
+    assert not placement.place_stages(big, 8, placement.parse_size("140GiB")).fits  # 8 layers x 1.2 GB of cache tips it over
 
 
 @pytest.mark.parametrize("text, value", [("140GiB", 140 * 2**30), ("80GB", 80 * 10**9), ("1.5 TB", 15 * 10**11),
                                          ("512", 512), ("79.6GiB", int(79.6 * 2**30))])
 def test_sizes_with_units(text, value):
-    assert P.parse_size(text) == value
+    assert placement.parse_size(text) == value
 
 
 def test_a_size_without_a_known_unit_is_one_clear_line():
     with pytest.raises(K2Error, match="is not a size"):
-        P.parse_size("140 gigs")
+        placement.parse_size("140 gigs")
 
 
 def test_plan_from_a_checkpoint_reads_its_headers(tiny_ckpt, capsys):
@@ -135,7 +135,7 @@ def single(tiny_ckpt, tiny_export):
     free = results(generate(tiny_ckpt, tiny_export, []))
     stop_id = free[1][0][4]  # prompt 1 stops early, at its fifth token
     stop_text = None
-    from k2trt.runtime.tokenizer import KimiTokenizer
+    from k2trt.runtime.text.tokenizer import KimiTokenizer
 
     tok = KimiTokenizer.from_dir(tiny_ckpt)
     text = tok.decode(free[2][0][:8])

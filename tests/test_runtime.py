@@ -10,12 +10,12 @@ import torch
 from k2trt.checkpoint import Checkpoint
 from k2trt.cli import main
 from k2trt.graphs.reference import ReferenceModel, greedy_generate
-from k2trt.runtime.backend import BackendLimits, BackendWrapper
-from k2trt.runtime.cli import StreamPrinter
-from k2trt.runtime.generator import Generator
-from k2trt.runtime.ort_backend import OrtBackend
-from k2trt.runtime.sampling import Sampler, SamplingParams
-from k2trt.runtime.tokenizer import KimiTokenizer
+from k2trt.runtime.backends.contract import BackendLimits, BackendWrapper
+from k2trt.runtime.commands.generate import StreamPrinter
+from k2trt.runtime.generation.generator import Generator
+from k2trt.runtime.backends.ort import OrtBackend
+from k2trt.runtime.generation.sampling import Sampler, SamplingParams
+from k2trt.runtime.text.tokenizer import KimiTokenizer
 from k2trt.errors import K2Error
 
 
@@ -152,7 +152,7 @@ def test_generate_cli_needs_a_prompt(tiny_ckpt, capsys):
 
 
 def test_seeded_sampling_gives_the_same_tokens_on_ort_and_torch(setup):
-    from k2trt.runtime.torch_backend import TorchBackend
+    from k2trt.runtime.backends.reference import TorchBackend
 
     ckpt, tok, _, gen = setup
     params = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234)
@@ -163,7 +163,7 @@ def test_seeded_sampling_gives_the_same_tokens_on_ort_and_torch(setup):
 
 
 def test_chat_keeps_history_and_resets(tiny_ckpt, tiny_export, capsys, monkeypatch):
-    from k2trt.runtime import chat
+    from k2trt.runtime.commands import chat
 
     seen = []
     real = chat.make_generator

@@ -1,4 +1,4 @@
-"""The host work of a step (runtime/step.py, executor sampling) against its plain definitions, on ragged plans:
+"""The host work of a step (runtime/generation/step.py, executor sampling) against its plain definitions, on ragged plans:
 the mask is graphs/mask.attention_mask over each sequence's own positions, the rope tables rope_tables', and
 batched greedy picks what each slot's sampler would."""
 
@@ -9,9 +9,9 @@ import torch
 from k2trt.config import K2Config
 from k2trt.graphs.mask import attention_mask
 from k2trt.graphs.rope import rope_tables
-from k2trt.runtime.executor import StageExecutor
-from k2trt.runtime.sampling import Sampler, SamplingParams
-from k2trt.runtime.step import Admit, RopeTable, StepPlan, step_tensors
+from k2trt.runtime.generation.executor import StageExecutor
+from k2trt.runtime.generation.sampling import Sampler, SamplingParams
+from k2trt.runtime.generation.step import Admit, RopeTable, StepPlan, step_tensors
 
 CFG = K2Config.preset("tiny")
 
@@ -74,7 +74,7 @@ def test_batched_greedy_picks_what_each_sampler_would():
 def test_prefill_masks_stay_in_budget_beside_a_long_conversation():
     """A step's mask is B x T x (P + T) with P the cache's capacity, which a long request decoding beside fresh
     prompts sets: the fresh prompts' chunks shrink with it, so every prefill step stays within the budget."""
-    from k2trt.runtime.scheduler import Request, Scheduler
+    from k2trt.runtime.generation.scheduler import Request, Scheduler
 
     class Recorder:  # an executor that records the plans and samples token 1 wherever asked
         def __init__(self):

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from k2trt.errors import K2Error
-from k2trt.runtime.tokenizer import KimiTokenizer, StreamDecoder
+from k2trt.runtime.text.tokenizer import KimiTokenizer, StreamDecoder
 from k2trt.tools.tiny_tokenizer import write_tiny_tokenizer
 
 BASE = 1792

@@ -24,7 +24,7 @@ from tolerances import assert_close
 from k2trt.cli import main
 from k2trt.config import K2Config
 from k2trt.errors import K2Error, MissingDependency
-from k2trt.export import manifest as export_manifest
+from k2trt import export_manifest
 from k2trt.export.block_graphs import build_block_graph
 from k2trt.export.onnx_ops import dims, value_types
 from k2trt.dtypes import BY_ONNX
@@ -33,7 +33,7 @@ from k2trt.graphs.fp8 import fp8_block_linear as reference_linear
 from k2trt.graphs.fp8 import quantize_weight
 from k2trt.runtime.trt import build as B
 from k2trt.runtime.trt import engine_manifest as EM
-from k2trt.runtime.trt import plugins as P
+from k2trt.runtime.trt import plugins
 from k2trt.runtime.trt.profiles import (DECODE, PREFILL, Profile, ProfileError, ProfileSpec, ShapeRange,
                                         add_profile_arguments, check_call_shape, eval_dim, graph_profiles,
                                         profile_index, spec_from_args)
@@ -234,20 +234,20 @@ def test_ptx_version_follows_the_driver_and_ptxas():
 # ---- plugins ↔ contracts ↔ exported nodes ---------------------------------------------------------------------
 
 def test_every_tensorrt_node_is_a_plugin_with_both_implementations():
-    specs = P.plugin_specs()
+    specs = plugins.plugin_specs()
     assert set(specs) == {c.op_type for c in contracts.TENSORRT}
     for spec in specs.values():
-        assert spec.version == P.QDP_PLUGIN_VERSION  # what tensorrt.plugin registers every plugin as
-        assert not set(spec.attribute_names) & set(P.PARSER_ATTRIBUTES)  # the parser would swallow them
+        assert spec.version == plugins.QDP_PLUGIN_VERSION  # what tensorrt.plugin registers every plugin as
+        assert not set(spec.attribute_names) & set(plugins.PARSER_ATTRIBUTES)  # the parser would swallow them
     assert specs["Fp8BlockLinear"].tactics == (1, 2, 3) and specs["MoeGateUp"].tactics == (1, 2, 3)
     assert specs["MoeAlign"].tactics == () and specs["MoeCombine"].tactics == ()
     assert "MoeFp8" not in specs  # expanded by export/split_moe.py: no plugin, so no Python-only node
 
 
 def test_plugin_functions_have_the_signatures_tensorrt_checks():
-    for op, spec in P.plugin_specs().items():
-        desc, impl, autotune, aot = P.PLUGIN_FUNCTIONS[op]
-        expected = P.expected_signatures(spec)
+    for op, spec in plugins.plugin_specs().items():
+        desc, impl, autotune, aot = plugins.PLUGIN_FUNCTIONS[op]
+        expected = plugins.expected_signatures(spec)
         got = {"register": desc, "impl": impl, "autotune": autotune, "aot_impl": aot}
         for role, fn in got.items():
             assert list(inspect.signature(fn).parameters) == expected[role], (op, role)
@@ -262,7 +262,7 @@ def test_exported_nodes_match_the_plugins(kind, act, aq):
 
     model = split_moe(build_block_graph(TINY, kind, act, aq))
     types = value_types(model)
-    specs = P.plugin_specs()
+    specs = plugins.plugin_specs()
     custom = [n for n in model.graph.node if n.domain == contracts.NAMESPACE]
     assert {n.op_type for n in custom} == (set(specs) if kind == "moe_block" else {"Fp8BlockLinear"})
     for node in custom:
@@ -270,17 +270,17 @@ def test_exported_nodes_match_the_plugins(kind, act, aq):
         attrs = {a.name: a for a in node.attribute}
         assert attrs["plugin_namespace"].s.decode() == spec.namespace
         assert attrs["plugin_version"].s.decode() == spec.version
-        assert set(attrs) - set(P.PARSER_ATTRIBUTES) == set(spec.attribute_names)
+        assert set(attrs) - set(plugins.PARSER_ATTRIBUTES) == set(spec.attribute_names)
         values = {a: onnx.helper.get_attribute_value(attrs[a]) for a in spec.attribute_names}
         dtypes = [BY_ONNX[types[v].elem_type].name for v in node.input]
-        assert P.check_input_dtypes(node.op_type, dtypes, values) == (None if node.op_type == "MoeAlign" else act)
+        assert plugins.check_input_dtypes(node.op_type, dtypes, values) == (None if node.op_type == "MoeAlign" else act)
         assert [BY_ONNX[types[v].elem_type].name for v in node.output] == \
-            P.io_dtypes(node.op_type, act, aq)[len(node.input):]
+            plugins.io_dtypes(node.op_type, act, aq)[len(node.input):]
         if any(isinstance(d, str) and d.startswith("unk") for v in node.input for d in dims(types[v])):
             continue  # shape inference lost a dim (TopK's k is an input): the node cases check those plugins
         for b, t in ((1, 1), (2, 3)):
             concrete = lambda shape: [eval_dim(d, {"B": b, "T": t}) for d in shape]  # noqa: E731
-            rule = P.output_shapes(node.op_type, [concrete(dims(types[v])) for v in node.input], values)
+            rule = plugins.output_shapes(node.op_type, [concrete(dims(types[v])) for v in node.input], values)
             assert rule == [concrete(dims(types[v])) for v in node.output], node.name
 
 
@@ -297,27 +297,27 @@ def test_aot_attribute_is_written_on_every_plugin_node(tmp_path):
         for node in onnx.load_from_string(data).graph.node:
             values = [a.i for a in node.attribute if a.name == "aot"]
             assert values == ([int(aot)] if node.domain == contracts.NAMESPACE else []), node.name
-        assert used == {op: "aot" if aot else "jit" for op in sorted(P.plugin_specs())}
+        assert used == {op: "aot" if aot else "jit" for op in sorted(plugins.plugin_specs())}
 
 
 def test_cuda_array_interface_for_types_tensorrt_refuses():
-    iface = P.cuda_array_interface(1234, (2, 3), (3, 1), "bfloat16")
+    iface = plugins.cuda_array_interface(1234, (2, 3), (3, 1), "bfloat16")
     assert iface == {"shape": (2, 3), "typestr": "<u2", "data": (1234, False), "version": 3, "strides": (6, 2)}
-    assert P.cuda_array_interface(8, (4,), None, "float8_e4m3fn")["typestr"] == "|u1"
+    assert plugins.cuda_array_interface(8, (4,), None, "float8_e4m3fn")["typestr"] == "|u1"
     import numpy as np
 
     for port in (p for c in contracts.CONTRACTS.values() for p in c.inputs + c.outputs):
         for dtype in port.dtypes:  # every type a plugin sees travels with its own item size
-            assert np.dtype(P.interface_typestr(dtype)).itemsize == getattr(torch, dtype).itemsize
+            assert np.dtype(plugins.interface_typestr(dtype)).itemsize == getattr(torch, dtype).itemsize
 
 
 def test_attributes_arrive_as_arrays_and_are_read_as_values():
     import numpy as np
 
-    assert P.attribute(np.array([1], dtype=np.int32)) == 1 and isinstance(P.attribute(np.array([7])), int)
-    assert P.attribute("s") == "s"
+    assert plugins.attribute(np.array([1], dtype=np.int32)) == 1 and isinstance(plugins.attribute(np.array([7])), int)
+    assert plugins.attribute("s") == "s"
     with pytest.raises(ValueError, match="single-value"):
-        P.attribute(np.array([1, 2], dtype=np.int32))
+        plugins.attribute(np.array([1, 2], dtype=np.int32))
 
 
 # ---- registration and parsing, against the stand-in for TensorRT ---------------------------------------------
@@ -333,7 +333,7 @@ def _install(monkeypatch, trtp):
 
     trt = argparse.Namespace(DataType=S.DataType, plugin=trtp, __version__="10.13.0")
     monkeypatch.setattr(environment, "import_tensorrt_plugin", lambda: (trt, trtp))
-    monkeypatch.setattr(P, "_REGISTERED", set())
+    monkeypatch.setattr(plugins, "_REGISTERED", set())
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
     monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
     return trtp
@@ -350,8 +350,8 @@ def _plugin_nodes(model):
 
 
 def test_register_plugins_passes_tensorrts_validation(standin):
-    assert P.register_plugins() == {op: "jit+aot" for op in P.plugin_specs()}
-    for op, spec in P.plugin_specs().items():
+    assert plugins.register_plugins() == {op: "jit+aot" for op in plugins.plugin_specs()}
+    for op, spec in plugins.plugin_specs().items():
         pdef = standin.registry[spec.plugin_id]
         assert pdef.input_tensor_names == spec.input_names and pdef.num_outputs == len(spec.output_names)
         assert list(pdef.input_attrs) == spec.attribute_names
@@ -365,7 +365,7 @@ def test_standin_rejects_todays_graphs_and_registration(standin, monkeypatch, tm
     """What failed before this fix, as TensorRT's source says it fails: (1) the exported graph parsed as it was
     (no `aot` attribute, no PREFER_* flag) — the creator refuses a plugin with both implementations; (2) attributes
     annotated `int` — the parser's 1-element array through int() is a TypeError on NumPy >= 2.4."""
-    P.register_plugins()
+    plugins.register_plugins()
     exported = _trt_graph()
     flags = B.network_flags(argparse.Namespace(
         __version__="10.13.0", NetworkDefinitionCreationFlag=S.NetworkDefinitionCreationFlag))
@@ -375,19 +375,19 @@ def test_standin_rejects_todays_graphs_and_registration(standin, monkeypatch, tm
     path = tmp_path / "m.onnx"
     onnx.save_model(exported, str(path))
     fixed = onnx.load_from_string(B.with_aot_attribute(path, True)[0])
-    plugins = [S.parse_plugin_node(standin, n, flags) for n in _plugin_nodes(fixed)]
-    assert {p.kind for p in plugins} == {"aot"}
+    parsed = [S.parse_plugin_node(standin, n, flags) for n in _plugin_nodes(fixed)]
+    assert {p.kind for p in parsed} == {"aot"}
 
     before = _install(monkeypatch, S.TensorRTPlugin())
-    monkeypatch.setitem(P.ATTRIBUTE_ANNOTATIONS, "int", int)  # the annotation of today's plugins
-    P.register_plugins()
+    monkeypatch.setitem(plugins.ATTRIBUTE_ANNOTATIONS, "int", int)  # the annotation of today's plugins
+    plugins.register_plugins()
     with pytest.raises(S.TensorRTError, match="TypeError"):
         S.parse_plugin_node(before, _plugin_nodes(fixed)[0], flags)
 
 
 def test_jit_engines_reload_their_attributes(standin, tmp_path):
     """A JIT plugin's attributes are serialized into the engine and handed to create_plugin again on load."""
-    P.register_plugins()
+    plugins.register_plugins()
     path = tmp_path / "m.onnx"
     onnx.save_model(_trt_graph(), str(path))
     for node in _plugin_nodes(onnx.load_from_string(B.with_aot_attribute(path, False)[0])):
@@ -395,11 +395,11 @@ def test_jit_engines_reload_their_attributes(standin, tmp_path):
         assert plugin.kind == "jit"
         fields = plugin.fields_to_serialize()
         loaded = standin.create_plugin(plugin.pdef.plugin_id, fields, None)
-        assert [P.attribute(a) for a in loaded.impl_arguments()] == [P.attribute(a) for a in plugin.impl_arguments()]
+        assert [plugins.attribute(a) for a in loaded.impl_arguments()] == [plugins.attribute(a) for a in plugin.impl_arguments()]
 
 
 def test_standin_follows_the_parser_and_creator_rules(standin):
-    P.register_plugins()
+    plugins.register_plugins()
     node = _plugin_nodes(_trt_graph())[0]
     both = (1 << S.NetworkDefinitionCreationFlag.PREFER_AOT_PYTHON_PLUGINS) | \
         (1 << S.NetworkDefinitionCreationFlag.PREFER_JIT_PYTHON_PLUGINS)
@@ -418,7 +418,7 @@ def test_standin_follows_the_parser_and_creator_rules(standin):
     assert S.str_to_data_type("FP32") is S.DataType.FLOAT and S.str_to_data_type("BF16") is S.DataType.BF16
     with pytest.raises(AttributeError):
         S.str_to_data_type("bfloat16")
-    assert [P.trt_type_name(d) for d in ("float32", "float16", "bfloat16", "float8_e4m3fn", "int32")] == \
+    assert [plugins.trt_type_name(d) for d in ("float32", "float16", "bfloat16", "float8_e4m3fn", "int32")] == \
         ["FLOAT", "HALF", "BF16", "FP8", "INT32"]
     combos = S.AutoTuneCombination("FP32|FP16, FP32|FP16, INT32", "LINEAR", [1]).combinations()
     assert [c[0] for c in combos] == [(S.DataType.FLOAT,) * 2 + (S.DataType.INT32,),
@@ -427,7 +427,7 @@ def test_standin_follows_the_parser_and_creator_rules(standin):
 
 def test_tensorrt_without_aot_registers_jit_only_and_aot_builds_refuse(monkeypatch):
     _install(monkeypatch, S.JitOnlyTensorRTPlugin())
-    modes = P.register_plugins()
+    modes = plugins.register_plugins()
     assert set(modes.values()) == {"jit"}
     B.check_plugin_modes(modes, aot=False, version="10.8.0")
     with pytest.raises(K2Error, match=r"AOT plugins need TensorRT >= 10.9, this is 10.8.0; build with --plugins jit"):
@@ -444,7 +444,7 @@ def _descs_of(case, model):
     for vi in model.graph.input:
         t = case.inputs[vi.name]
         dims = [S.dim(int(t.shape[i]), bool(d.dim_param)) for i, d in enumerate(vi.type.tensor_type.shape.dim)]
-        inputs.append(S.TensorDesc(dims, getattr(S.DataType, P.trt_type_name(name_of(t.dtype)))))
+        inputs.append(S.TensorDesc(dims, getattr(S.DataType, plugins.trt_type_name(name_of(t.dtype)))))
     return inputs
 
 
@@ -455,7 +455,7 @@ def _poisoned(t: torch.Tensor) -> torch.Tensor:
 
 
 def _emulate(standin, monkeypatch, tmp_path, case) -> dict[str, list[str]]:
-    """Parse the case's one-node graph, create its AOT plugin, ask for each tactic's launch, and launch the plan
+    """Parse the case's one-node graph, create its AOT plugin, ask for each tactic's launch, and launch the launch
     under Triton's interpreter with TensorRT's argument order (inputs, extra scalars, outputs) and grid;
     -> tactic -> mismatches against the reference."""
     from k2trt.runtime.trt import aot
@@ -463,12 +463,12 @@ def _emulate(standin, monkeypatch, tmp_path, case) -> dict[str, list[str]]:
 
     compiled = {}
 
-    def fake_compile(plan, target=None):
-        name = f"{aot.ENTRY_PREFIX}{plan.label}_{len(compiled)}"
-        compiled[name] = plan
-        return plan, aot.AotKernel(name, f".version 9.0\n.visible .entry {name}(", plan.num_warps * 32, 0)
+    def fake_compile(launch, target=None):
+        name = f"{aot.ENTRY_PREFIX}{launch.label}_{len(compiled)}"
+        compiled[name] = launch
+        return launch, aot.AotKernel(name, f".version 9.0\n.visible .entry {name}(", launch.num_warps * 32, 0)
 
-    monkeypatch.setattr(aot, "compile_plan", fake_compile)
+    monkeypatch.setattr(aot, "compile_launch", fake_compile)
     model = one_node_model(case)
     path = tmp_path / f"{case.op_type}.onnx"
     onnx.save_model(model, str(path))
@@ -483,13 +483,13 @@ def _emulate(standin, monkeypatch, tmp_path, case) -> dict[str, list[str]]:
     types = tuple(d.dtype for d in inputs) + tuple(out_types)
     results = {}
     for tactic in plugin.tactics_for(types):
-        launch = plugin.launch(tactic)
-        plan = compiled[launch["name"]]
+        params = plugin.launch(tactic)
+        launch = compiled[params["name"]]
         outs = {n: _poisoned(case.expected[n]) for n in names}
-        args = [case.inputs[vi.name].contiguous() for vi in model.graph.input] + launch["extra"] + list(outs.values())
-        plan.kernel[(launch["grid_x"], launch["grid_y"])](*args, **plan.constexprs(), num_warps=plan.num_warps,
-                                                          num_stages=plan.num_stages)
-        assert launch["block_x"] == plan.num_warps * 32
+        args = [case.inputs[vi.name].contiguous() for vi in model.graph.input] + params["extra"] + list(outs.values())
+        launch.kernel[(params["grid_x"], params["grid_y"])](*args, **launch.constexprs(), num_warps=launch.num_warps,
+                                                          num_stages=launch.num_stages)
+        assert params["block_x"] == launch.num_warps * 32
         results[tactic] = mismatches(case, outs)
     return results
 
@@ -500,18 +500,18 @@ def test_every_aot_kernel_matches_its_reference(standin, monkeypatch, tmp_path, 
     output (they start poisoned) and matches the torch reference (skewed routing with an empty expert)."""
     from k2trt.tools.plugin_cases import node_cases
 
-    P.register_plugins()
+    plugins.register_plugins()
     for case in node_cases("bfloat16", aq):
         results = _emulate(standin, monkeypatch, tmp_path, case)
         assert results and all(not m for m in results.values()), (case.label, results)
-        assert len(results) == len(P.plugin_specs()[case.op_type].tactics or [0])
+        assert len(results) == len(plugins.plugin_specs()[case.op_type].tactics or [0])
 
 
 @pytest.mark.parametrize("act, aq", [("float32", 1), ("float32", 0), ("float16", 0)])
 def test_aot_linear_and_combine_in_other_dtypes(standin, monkeypatch, tmp_path, act, aq):
     from k2trt.tools.plugin_cases import node_cases
 
-    P.register_plugins()
+    plugins.register_plugins()
     for case in node_cases(act, aq):
         if case.op_type in ("Fp8BlockLinear", "MoeCombine"):
             results = _emulate(standin, monkeypatch, tmp_path, case)
@@ -532,9 +532,9 @@ def test_aot_linear_kernel_is_the_runtime_kernel():
         for tactic in (1, 2):
             if aq and k % 128:
                 continue
-            plan = A.plan_for(act, n, k, aq, tactic)
+            launch = A.linear_launch(act, n, k, aq, tactic)
             y = torch.empty(m, n, dtype=dt)
-            A.fp8_linear_aot_kernel[(plan.grid_x(m),)](x, w, s, m, y, **plan.constexprs())
+            A.fp8_linear_aot_kernel[(launch.grid_x(m),)](x, w, s, m, y, **launch.constexprs())
             assert_close(y, reference_linear(x, w, s, aq))  # one ulp of the output dtype
             assert torch.equal(y, runtime_linear(x, w, s, aq, config=tactic_config(tactic, n, k)))
 
@@ -544,20 +544,20 @@ def test_aot_plan_checks():
     from k2trt.runtime.trt import aot_moe as AM
 
     with pytest.raises(ValueError, match="multiple of 128"):
-        A.plan_for("bfloat16", 256, 200, 1, 1)
+        A.linear_launch("bfloat16", 256, 200, 1, 1)
     with pytest.raises(ValueError, match="unknown tactic"):
-        A.plan_for("bfloat16", 256, 256, 1, 9)
+        A.linear_launch("bfloat16", 256, 256, 1, 9)
     with pytest.raises(ValueError, match="unknown tactic"):
-        AM.gemm_plan("down", 4, 256, 128, "bfloat16", 1, 0)
-    plan = A.plan_for("bfloat16", 7168, 2048, 1, 3)
-    assert plan.grid_x(300) == 3 * 56
-    assert plan.shrink().num_stages == plan.num_stages - 1
-    g = AM.gemm_plan("gate_up", 384, 2048, 7168, "bfloat16", 1, 3)
+        AM.gemm_launch("down", 4, 256, 128, "bfloat16", 1, 0)
+    launch = A.linear_launch("bfloat16", 7168, 2048, 1, 3)
+    assert launch.grid_x(300) == 3 * 56
+    assert launch.shrink().num_stages == launch.num_stages - 1
+    g = AM.gemm_launch("gate_up", 384, 2048, 7168, "bfloat16", 1, 3)
     while g.shrink() is not None:  # gate+up keeps its 128-wide groups however far it shrinks
         g = g.shrink()
         assert g.block_n == 128
     # the grid works on TensorRT expressions with only + - * // and tensorrt.plugin.min
-    e = AM.gemm_plan("down", 384, 7168, 2048, "bfloat16", 1, 1).grid(S.dim(64, True), None, minimum=S.minimum)
+    e = AM.gemm_launch("down", 384, 7168, 2048, "bfloat16", 1, 1).grid(S.dim(64, True), None, minimum=S.minimum)
     assert e[0].value == moe_kernels().gemm_grid(64, 384, 7168, moe_kernels().GEMM_TACTICS[1])
 
 
@@ -599,31 +599,31 @@ def test_unused_trailing_ptx_params_are_stripped_and_entries_renamed():
 
 @pytest.mark.slow
 def test_aot_kernels_compile_to_ptx_for_hopper():
-    """Every AOT plan compiled for sm_90 with the PTX version a CUDA 12.9 driver loads: `.version 8.8`, a unique
-    `k2trt_` entry per plan and per call, exactly TensorRT's launch parameters, cp.async where the tiles pipeline
+    """Every AOT launch compiled for sm_90 with the PTX version a CUDA 12.9 driver loads: `.version 8.8`, a unique
+    `k2trt_` entry per launch and per call, exactly TensorRT's launch parameters, cp.async where the tiles pipeline
     (pointers are declared 16-byte aligned), shared memory within the AOT limit."""
     code = textwrap.dedent("""
         import re
         from k2trt.runtime.trt import aot, aot_linear, aot_moe
         target = aot.Target(90, 88)
-        plans = [aot_moe.AlignPlan(16), aot_moe.CombinePlan(256, 2, "bfloat16"),
-                 aot_moe.gemm_plan("gate_up", 16, 128, 256, "bfloat16", 1, 1),
-                 aot_moe.gemm_plan("down", 16, 256, 512, "bfloat16", 1, 1),
-                 aot_linear.plan_for("bfloat16", 1536, 7168, 1, 1), aot_linear.plan_for("bfloat16", 1536, 7168, 1, 1)]
+        launches = [aot_moe.AlignLaunch(16), aot_moe.CombineLaunch(256, 2, "bfloat16"),
+                 aot_moe.gemm_launch("gate_up", 16, 128, 256, "bfloat16", 1, 1),
+                 aot_moe.gemm_launch("down", 16, 256, 512, "bfloat16", 1, 1),
+                 aot_linear.linear_launch("bfloat16", 1536, 7168, 1, 1), aot_linear.linear_launch("bfloat16", 1536, 7168, 1, 1)]
         names = set()
-        for plan in plans:
-            plan, k = aot.compile_plan(plan, target)
-            assert aot.ptx_version_of(k.ptx) == (8, 8), (plan.label, aot.ptx_version_of(k.ptx))
+        for launch in launches:
+            launch, k = aot.compile_launch(launch, target)
+            assert aot.ptx_version_of(k.ptx) == (8, 8), (launch.label, aot.ptx_version_of(k.ptx))
             entries = re.findall(r"\\.visible \\.entry (\\w+)\\(", k.ptx)
-            assert entries == [k.name] and k.name.startswith("k2trt_" + plan.label), (entries, k.name)
+            assert entries == [k.name] and k.name.startswith("k2trt_" + launch.label), (entries, k.name)
             assert k.name not in names
             names.add(k.name)
-            runtime = [n for n in plan.kernel.arg_names if n not in plan.constexprs()]
+            runtime = [n for n in launch.kernel.arg_names if n not in launch.constexprs()]
             head = k.ptx[k.ptx.index(".entry " + k.name):]
-            assert head[:head.index(")")].count(".param") == len(runtime), plan.label
-            assert k.shared <= aot.AOT_SHARED_LIMIT and k.block_x == plan.num_warps * 32
-            if plan.num_stages > 1:
-                assert "cp.async" in k.ptx, plan.label
+            assert head[:head.index(")")].count(".param") == len(runtime), launch.label
+            assert k.shared <= aot.AOT_SHARED_LIMIT and k.block_x == launch.num_warps * 32
+            if launch.num_stages > 1:
+                assert "cp.async" in k.ptx, launch.label
         print("ok", len(names))
     """)
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
@@ -718,7 +718,7 @@ def test_plugins_and_backend_without_tensorrt(tmp_path):
     from k2trt.runtime.trt.backend import TrtBackend
 
     with pytest.raises(MissingDependency, match=r"^TensorRT is not installed \(pip install"):
-        P.register_plugins()
+        plugins.register_plugins()
     with pytest.raises(MissingDependency, match="TensorRT is not installed"):
         TrtBackend(tmp_path, weights=None)
 
@@ -785,7 +785,7 @@ def test_doctor_checks_every_plugin_and_the_tokens():
 
     names = [s.name for s in doctor.steps()]
     assert names[:2] == ["TensorRT and CUDA", "plugin registration"]
-    assert {n.split()[2] for n in names if n.startswith("one-node engine")} == set(P.plugin_specs())
+    assert {n.split()[2] for n in names if n.startswith("one-node engine")} == set(plugins.plugin_specs())
     assert names[-2:] == ["tiny model block engines", "8 tokens vs ONNX Runtime"]
 
 

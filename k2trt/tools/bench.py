@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baselines", default=f"{TRANSFORMERS},{REFERENCE}",
                    help=f"comma-separated: {TRANSFORMERS} (needs the bench extra), {REFERENCE} (eager torch)")
     p.add_argument("--json", action="store_true")
-    from k2trt.runtime.loader import add_pipeline_arguments
+    from k2trt.runtime.commands.loader import add_pipeline_arguments
 
     add_pipeline_arguments(p)  # --pipeline N: the per-step time of N stages against one process (pipeline_bench)
 
@@ -86,8 +86,8 @@ class Runner:
     """The backends of one bench, each made once with its weights bound before anything is timed."""
 
     def __init__(self, args, ckpt):
-        from k2trt.runtime.backends import BackendChoice, open_backend
-        from k2trt.runtime.generator import Generator
+        from k2trt.runtime.backends.factory import BackendChoice, open_backend
+        from k2trt.runtime.generation.generator import Generator
 
         self.cfg, self.new_tokens = ckpt.config, args.new_tokens
         self.gens, self.hf, self.missing = {}, None, []

@@ -228,7 +228,7 @@ def _vocab(args) -> int | None:
     if args.model is None:
         return None
     from k2trt.config import K2Config
-    from k2trt.runtime.tokenizer import NUM_RESERVED_SPECIAL
+    from k2trt.runtime.text.tokenizer import NUM_RESERVED_SPECIAL
 
     return K2Config.from_json(args.model).vocab_size - NUM_RESERVED_SPECIAL
 

@@ -204,8 +204,8 @@ def _block_engines(state: dict) -> str:
 
 def _tokens(state: dict) -> str:
     from k2trt.config import K2Config
-    from k2trt.runtime.generator import Generator
-    from k2trt.runtime.ort_backend import OrtBackend
+    from k2trt.runtime.generation.generator import Generator
+    from k2trt.runtime.backends.ort import OrtBackend
     from k2trt.runtime.trt.backend import TrtBackend
     from k2trt.tools.synthetic import RandomWeights
 

@@ -252,30 +252,30 @@ def kernel_variants(cfg: K2Config | None = None):
     from k2trt.runtime.kernels import moe
     from k2trt.runtime.trt import aot_moe
 
-    def variant(label, plan):  # the MoE kernels as their AOT plans launch them
-        return label, plan.kernel, plan.pointer_types(), plan.constexprs(), plan.num_warps, plan.num_stages
+    def variant(label, launch):  # the MoE kernels as their AOT plugins launch them
+        return label, launch.kernel, launch.pointer_types(), launch.constexprs(), launch.num_warps, launch.num_stages
 
     cfg = cfg or K2Config()
     d, inter, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
-    out = [("act_quant", fl._act_quant_kernel, {"x_ptr": "bf16", "q_ptr": "fp8e4nv"},
+    out = [("act_quant", fl.act_quant_kernel, {"x_ptr": "bf16", "q_ptr": "fp8e4nv"},
             dict(BLOCK_ROWS=16, GROUP=BLOCK), 4, 1),
-           variant("moe combine", aot_moe.CombinePlan(d, cfg.num_experts_per_tok, "bfloat16")),
-           variant("moe align", aot_moe.AlignPlan(e))]
+           variant("moe combine", aot_moe.CombineLaunch(d, cfg.num_experts_per_tok, "bfloat16")),
+           variant("moe align", aot_moe.AlignLaunch(e))]
     for aq in (0, 1):
         a = "fp8e4nv" if aq else "bf16"
         common = dict(A_FP8=bool(aq), ACT=1, DOT16=True, EVEN_K=True)
         lin = {fl.linear_config(m, n, k) for m in (1, 16, 64, 512, 4096)
                for n, k in ((cfg.q_lora_rank, d), (d, cfg.num_attention_heads * cfg.v_head_dim))}
         for c in sorted(lin, key=lambda c: (c.block_m, c.block_n)):
-            out.append((f"linear aq{aq} {c.block_m}x{c.block_n}", fl._linear_kernel,
+            out.append((f"linear aq{aq} {c.block_m}x{c.block_n}", fl.linear_kernel,
                         {"a_ptr": a, "b_ptr": "fp8e4nv", "c_ptr": "bf16"},
                         dict(BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m, **common),
                         c.num_warps, c.num_stages))
         for tactic, t in moe.GEMM_TACTICS.items():
             out.append(variant(f"moe gate_up aq{aq} BM{t.block_m}",
-                               aot_moe.gemm_plan("gate_up", e, inter, d, "bfloat16", aq, tactic)))
+                               aot_moe.gemm_launch("gate_up", e, inter, d, "bfloat16", aq, tactic)))
             out.append(variant(f"moe down aq{aq} BM{t.block_m}",
-                               aot_moe.gemm_plan("down", e, d, inter, "bfloat16", aq, tactic)))
+                               aot_moe.gemm_launch("down", e, d, inter, "bfloat16", aq, tactic)))
     return out
 
 

@@ -15,7 +15,7 @@ import torch
 from k2trt.config import K2Config
 from k2trt.errors import MissingDependency
 from k2trt.graphs.fp8 import dequant_weight
-from k2trt.runtime.timings import Timings
+from k2trt.runtime.generation.timings import Timings
 
 INSTALL_HINT = "pip install 'k2trt[bench]'"
 _EXPERTS = "mlp.experts."

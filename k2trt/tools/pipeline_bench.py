@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 
-from k2trt.runtime.backends import BackendChoice
+from k2trt.runtime.backends.factory import BackendChoice
 from k2trt.tools.synthetic import synthetic_prompts
 
 SINGLE_ENV = "K2TRT_BENCH_SINGLE"  # the single-process row, handed to the ranks
@@ -31,8 +31,8 @@ def measure(gen, prompts, new_tokens: int, repeat: int) -> dict:
 
 
 def single_process(args) -> dict:
-    from k2trt.runtime.generator import Generator
-    from k2trt.runtime.loader import load
+    from k2trt.runtime.generation.generator import Generator
+    from k2trt.runtime.commands.loader import load
 
     loaded = load(args, BackendChoice("ort", args.onnx), command="bench")
     gen = Generator(loaded.backend, loaded.config)
@@ -62,8 +62,8 @@ def run(args) -> int:
     from k2trt.runtime.distributed.launch import run_pipeline
     from k2trt.runtime.distributed.session import transfer_share
     from k2trt.runtime.distributed.world import launched
-    from k2trt.runtime.generator import Generator
-    from k2trt.runtime.loader import load
+    from k2trt.runtime.generation.generator import Generator
+    from k2trt.runtime.commands.loader import load
 
     if not launched():
         os.environ[SINGLE_ENV] = json.dumps(single_process(args))

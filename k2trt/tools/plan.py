@@ -14,7 +14,7 @@ from pathlib import Path
 
 from k2trt.config import K2Config
 from k2trt.errors import K2Error
-from k2trt.runtime.distributed import placement as P
+from k2trt.runtime.distributed import placement
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--preset", help="a built-in config (kimi-k2, tiny): sizes from the weight table")
     p.add_argument("--devices", type=int, required=True, help="pipeline stages, one per device")
     p.add_argument("--device-memory", required=True, help="memory per device, e.g. 140GiB (H200), 79.6GiB (H100)")
-    p.add_argument("--reserve", default=f"{P.DEFAULT_RESERVE // 2**30}GiB",
+    p.add_argument("--reserve", default=f"{placement.DEFAULT_RESERVE // 2**30}GiB",
                    help="kept free per device for the CUDA context, TensorRT scratch, NCCL, activations "
                         "(default %(default)s)")
     p.add_argument("--max-context", type=int, default=4096, help="positions per sequence to hold in the cache "
@@ -33,33 +33,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
-def sized_items(args, cfg: K2Config) -> list[P.Item]:
+def sized_items(args, cfg: K2Config) -> list[placement.Item]:
     if args.max_context < 1 or args.max_batch < 1:
         raise K2Error("--max-context and --max-batch must be >= 1")
-    cache = P.cache_bytes_per_layer(cfg, args.max_context, args.max_batch)
+    cache = placement.cache_bytes_per_layer(cfg, args.max_context, args.max_batch)
     if args.model is None:
-        return P.items_from_config(cfg, cache)
+        return placement.items_from_config(cfg, cache)
     from k2trt.checkpoint import Checkpoint
 
     ckpt = Checkpoint.open(args.model)
-    return P.items_from_headers(cfg, ckpt.header_specs(), cache)
+    return placement.items_from_headers(cfg, ckpt.header_specs(), cache)
 
 
-def render(plan: P.Plan, source: str) -> str:
+def render(plan: placement.Placement, source: str) -> str:
     rows = [("stage", "layers", "weight GB", "cache GB", "free GB")]
-    rows += [(str(s.index), s.describe(), P.format_gb(s.weight_bytes), P.format_gb(s.cache_bytes),
-              P.format_gb(s.free)) for s in plan.stages]
+    rows += [(str(s.index), s.describe(), placement.format_gb(s.weight_bytes), placement.format_gb(s.cache_bytes),
+              placement.format_gb(s.free)) for s in plan.stages]
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
 
     def line(r):  # names left, numbers right
         return "  ".join(c.rjust(w) if i >= 2 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
 
-    head = (f"{source}: {len(plan.stages)} stages, {P.format_gb(plan.device_memory)} GB per device, "
-            f"{P.format_gb(plan.reserve)} GB reserved; heaviest stage {P.format_gb(plan.heaviest.bytes)} GB")
+    head = (f"{source}: {len(plan.stages)} stages, {placement.format_gb(plan.device_memory)} GB per device, "
+            f"{placement.format_gb(plan.reserve)} GB reserved; heaviest stage {placement.format_gb(plan.heaviest.bytes)} GB")
     return "\n".join([head, "", line(rows[0]), line(["-" * w for w in widths])] + [line(r) for r in rows[1:]])
 
 
-def as_json(plan: P.Plan, source: str) -> dict:
+def as_json(plan: placement.Placement, source: str) -> dict:
     return {"source": source, "devices": len(plan.stages), "device_memory": plan.device_memory,
             "reserve": plan.reserve, "fits": plan.fits,
             "stages": [{"stage": s.index, "layers": s.layers, "embedding": s.first, "head": s.last,
@@ -69,20 +69,20 @@ def as_json(plan: P.Plan, source: str) -> dict:
 
 def run(args) -> int:
     cfg = K2Config.from_json(args.model) if args.model is not None else K2Config.preset(args.preset)
-    memory = P.parse_size(args.device_memory, "--device-memory")
-    reserve = P.parse_size(args.reserve, "--reserve")
+    memory = placement.parse_size(args.device_memory, "--device-memory")
+    reserve = placement.parse_size(args.reserve, "--reserve")
     if reserve >= memory:
         raise K2Error(f"--reserve {args.reserve} leaves nothing of --device-memory {args.device_memory}")
     items = sized_items(args, cfg)
-    counts = P.parse_counts(args.stages) if args.stages else None
-    plan = P.plan_stages(items, args.devices, memory, reserve, counts)
+    counts = placement.parse_counts(args.stages) if args.stages else None
+    plan = placement.place_stages(items, args.devices, memory, reserve, counts)
     source = str(args.model) if args.model is not None else f"{args.preset} (preset)"
     print(json.dumps(as_json(plan, source)) if args.json else render(plan, source))
     if plan.fits:
         return 0
     over = [s for s in plan.stages if s.free < 0]
-    need = P.smallest_fitting(items, memory, reserve, 1 if counts else args.devices + 1)
+    need = placement.smallest_fitting(items, memory, reserve, 1 if counts else args.devices + 1)
     fix = (f"the smallest device count that fits is {need}" if need is not None
            else "no device count fits: one block alone exceeds the device")
-    raise K2Error(f"stage {over[0].index} needs {P.format_gb(over[0].bytes)} GB, more than the "
-                  f"{P.format_gb(over[0].capacity)} GB a device has after the reserve; {fix}")
+    raise K2Error(f"stage {over[0].index} needs {placement.format_gb(over[0].bytes)} GB, more than the "
+                  f"{placement.format_gb(over[0].capacity)} GB a device has after the reserve; {fix}")

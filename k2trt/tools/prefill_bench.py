@@ -6,7 +6,7 @@ child's peak RSS growth during the prefill — the high-water mark is reset just
 
     latent cache (it must hold the prompt) + (3 x heads + 4) x 4 bytes x mask budget + 16 MiB (SLACK)
 
-The scheduler shrinks a prompt's chunks so that a step's mask stays under the budget (runtime/scheduler.py,
+The scheduler shrinks a prompt's chunks so that a step's mask stays under the budget (runtime/generation/scheduler.py,
 MASK_BUDGET elements); a step's attention holds a few float32 tensors of heads x mask elements (scores,
 exponentials, probabilities) and the mask itself. So the working memory of a prefill is the same for 8k tokens
 as for 80k; only the cache grows, by what the prompt itself takes.
@@ -29,10 +29,10 @@ SLACK = 16 * MB  # allocator and ONNX Runtime arena rounding
 
 CHILD = textwrap.dedent("""
     import json, sys, time
-    from k2trt.runtime.backends import BackendChoice, open_backend
-    from k2trt.runtime.generator import Generator
-    from k2trt.runtime.loader import open_model
-    from k2trt.runtime.tokenizer import NUM_RESERVED_SPECIAL
+    from k2trt.runtime.backends.factory import BackendChoice, open_backend
+    from k2trt.runtime.generation.generator import Generator
+    from k2trt.runtime.commands.loader import open_model
+    from k2trt.runtime.text.tokenizer import NUM_RESERVED_SPECIAL
     from k2trt.tools.stream_bench import proc_status as status
 
     model, onnx, budget = sys.argv[1], sys.argv[2], int(sys.argv[3])

@@ -16,7 +16,7 @@ from k2trt.config import K2Config
 from k2trt.dtypes import FP8
 from k2trt.graphs import weights as W
 from k2trt.graphs.fp8 import quantize_weight
-from k2trt.runtime.tokenizer import NUM_RESERVED_SPECIAL
+from k2trt.runtime.text.tokenizer import NUM_RESERVED_SPECIAL
 from k2trt.tools.tiny_tokenizer import SPECIAL_OFFSETS
 
 # Initialization scales, in one place to tune. Linear weights are normal with std = factor / sqrt(in_features);

@@ -18,7 +18,7 @@ from k2trt.checkpoint_writer import write_checkpoint
 from k2trt.dirlock import writer_lock
 from k2trt.config import K2Config
 from k2trt.errors import K2Error
-from k2trt.runtime.tokenizer import NUM_RESERVED_SPECIAL
+from k2trt.runtime.text.tokenizer import NUM_RESERVED_SPECIAL
 from k2trt.tools.synthetic import synthetic_tensors
 
 DEFAULT_SHARDS = 7

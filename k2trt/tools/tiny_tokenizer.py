@@ -16,7 +16,7 @@ from pathlib import Path
 
 from k2trt.atomic import atomic_write_text
 from k2trt.errors import K2Error
-from k2trt.runtime.tokenizer import CONFIG_FILE, NUM_RESERVED_SPECIAL, RANKS_FILE, reserved_name
+from k2trt.runtime.text.tokenizer import CONFIG_FILE, NUM_RESERVED_SPECIAL, RANKS_FILE, reserved_name
 
 # Kimi K2's named special ids, as offsets from the number of base tokens; the rest are reserved slots.
 SPECIAL_OFFSETS = {

@@ -22,9 +22,9 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from k2trt.runtime.executor import StageExecutor
-from k2trt.runtime.sampling import SamplingParams
-from k2trt.runtime.step import Admit, Move, Release, StepPlan, Swap
+from k2trt.runtime.generation.executor import StageExecutor
+from k2trt.runtime.generation.sampling import SamplingParams
+from k2trt.runtime.generation.step import Admit, Move, Release, StepPlan, Swap
 from k2trt.runtime.distributed.world import World
 
 _OPS = {"admit": Admit, "release": Release, "move": Move, "swap": Swap}

@@ -135,7 +135,7 @@ class Stage:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Placement:
     stages: tuple[Stage, ...]
     device_memory: int
     reserve: int
@@ -188,9 +188,9 @@ def _split(sizes: tuple[int, ...], n: int) -> tuple[int, ...]:
     return best(0, n)[2]
 
 
-def plan_stages(items: list[Item], devices: int, device_memory: int, reserve: int = DEFAULT_RESERVE,
-                counts: list[int] | None = None) -> Plan:
-    """The split over `devices` stages (or the explicit block counts per stage), fitting or not: `Plan.fits`."""
+def place_stages(items: list[Item], devices: int, device_memory: int, reserve: int = DEFAULT_RESERVE,
+                counts: list[int] | None = None) -> Placement:
+    """The split over `devices` stages (or the explicit block counts per stage), fitting or not: `Placement.fits`."""
     n_blocks = len(items)
     if devices < 1:
         raise K2Error(f"--devices must be >= 1, got {devices}")
@@ -212,13 +212,13 @@ def plan_stages(items: list[Item], devices: int, device_memory: int, reserve: in
     capacity = device_memory - reserve
     stages = tuple(Stage(k, tuple(items[bounds[k]:bounds[k + 1]]), capacity, k == 0, k == devices - 1)
                    for k in range(devices))
-    return Plan(stages, device_memory, reserve)
+    return Placement(stages, device_memory, reserve)
 
 
 def smallest_fitting(items: list[Item], device_memory: int, reserve: int, start: int = 1) -> int | None:
     """The least device count >= start whose min-max split fits, or None if even one block per device does not."""
     for n in range(max(1, start), len(items) + 1):
-        if plan_stages(items, n, device_memory, reserve).fits:
+        if place_stages(items, n, device_memory, reserve).fits:
             return n
     return None
 

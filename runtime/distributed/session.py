@@ -6,18 +6,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from k2trt.graphs.weights import checkpoint_specs, global_specs, layer_prefix, layer_specs
-from k2trt.runtime.backend import prepare_order
-from k2trt.runtime.backends import BackendChoice, open_backend
-from k2trt.runtime.distributed import placement as P
+from k2trt.runtime.backends.contract import prepare_order
+from k2trt.runtime.backends.factory import BackendChoice, open_backend
+from k2trt.runtime.distributed import placement
 from k2trt.runtime.distributed.pipeline import PipelineExecutor, follow
 from k2trt.runtime.distributed.progress import LoadReporter, ProgressBoard, ready_key
 from k2trt.runtime.distributed.world import LOAD_TIMEOUT_S, World, cpu_threads, join
-from k2trt.runtime.executor import StageExecutor
+from k2trt.runtime.generation.executor import StageExecutor
 
 UNLIMITED = 1 << 62  # no memory check on the split itself: the backend fails loudly if a stage does not fit
 
@@ -46,13 +46,13 @@ def transfer_share(stats: list["RankStats"]) -> float:
     return max(0.0, pure) / lead.step_s if lead.step_s else 0.0
 
 
-def stage_split(cfg, size: int, counts: list[int] | None) -> P.Plan:
+def stage_split(cfg, size: int, counts: list[int] | None) -> placement.Placement:
     """The stages by the bytes the weight table gives: no rank reads another stage's files (each tensor is
     checked against the same table when its own stage reads it)."""
-    return P.plan_stages(P.items_from_config(cfg, 0), size, UNLIMITED, 0, counts)
+    return placement.place_stages(placement.items_from_config(cfg, 0), size, UNLIMITED, 0, counts)
 
 
-def stage_tensors(cfg, stage: P.Stage) -> list[str]:
+def stage_tensors(cfg, stage: placement.Stage) -> list[str]:
     """The full names of the checkpoint tensors a stage binds."""
     embed, norm, head = global_specs(cfg)
     names = [embed.name] if stage.first else []
@@ -64,7 +64,7 @@ def stage_tensors(cfg, stage: P.Stage) -> list[str]:
 @dataclass
 class RankSession:
     world: World
-    stage: P.Stage
+    stage: placement.Stage
     executor: StageExecutor
     leader: PipelineExecutor | None  # rank 0
 
@@ -87,18 +87,16 @@ class RankSession:
 def load_rank(ckpt, choice: BackendChoice, counts: list[int] | None, timeout_s: float
               ) -> tuple[object, RankSession]:
     """Join, bind this rank's stage, wait for every rank. -> (backend, session)."""
-    world = join(timeout_s, use_cuda=choice.name == "trt")
+    world = join(timeout_s, use_cuda=choice.uses_cuda)
     cfg = ckpt.config
     plan = stage_split(cfg, world.size, counts)
     stage = plan.stages[world.rank]
     ckpt.check_tensors(stage_tensors(cfg, stage))  # this stage's files only, before any weight is bound
-    if choice.name != "trt":  # ranks on one machine share its cores
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world.size))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world.size))
+    if not choice.uses_cuda:  # ranks on one machine share its cores
         torch.set_num_threads(cpu_threads(local_world))
-        choice = replace(choice, threads=choice.threads or cpu_threads(local_world))
-    else:
-        choice = replace(choice, device=world.local_rank)
-    sizes = P.load_sizes(cfg, checkpoint_specs(cfg))
+    choice = choice.for_rank(world.local_rank, cpu_threads(local_world))
+    sizes = placement.load_sizes(cfg, checkpoint_specs(cfg))
     order = prepare_order(stage.layers, cfg.num_hidden_layers, stage.first, stage.last)
     reporter = LoadReporter(world, [sizes[k] for k in order])
     with ProgressBoard(world) if world.first else contextlib.nullcontext():  # rank 0 shows every rank's load

@@ -29,7 +29,7 @@ _ACT_CODE = {torch.float32: ACT_F32, torch.bfloat16: ACT_BF16, torch.float16: AC
 def interpreting() -> bool:
     """Whether the kernels run under Triton's CPU interpreter: @triton.jit decided that at import, from
     TRITON_INTERPRET, and only JITFunction objects compile for a GPU."""
-    return not isinstance(_act_quant_kernel, triton.runtime.jit.JITFunction)
+    return not isinstance(act_quant_kernel, triton.runtime.jit.JITFunction)
 
 
 def act_code(dtype: torch.dtype) -> int:
@@ -63,7 +63,7 @@ def check_activation_quant(activation_quant: int) -> None:
 # ---------------------------------------------------------------------------------------------- jit helpers
 
 @triton.jit
-def _rne_bf16(v):
+def rne_bf16(v):
     """fp32 -> nearest-even bf16 value, still fp32 (integer rounding on the magnitude bits; finite inputs)."""
     vb = v.to(tl.int32, bitcast=True)
     bits = vb & 0x7FFFFFFF
@@ -72,7 +72,7 @@ def _rne_bf16(v):
 
 
 @triton.jit
-def _rne_e4m3(v):
+def rne_e4m3(v):
     """fp32 -> nearest-even e4m3fn value (saturated to ±448), still fp32. Normal range: keep 3 mantissa bits;
     subnormals (|v| < 2^-6) sit on a 2^-9 grid, rounded with floor + tie test (no fp tricks a compiler may fold)."""
     a = tl.minimum(tl.abs(v), 448.0)
@@ -88,10 +88,10 @@ def _rne_e4m3(v):
 
 
 @triton.jit
-def _round_act(v, ACT: tl.constexpr):
+def round_act(v, ACT: tl.constexpr):
     """Round fp32 to the activation dtype and back (what the reference's `.to(x.dtype)` does)."""
     if ACT == 1:
-        return _rne_bf16(v)
+        return rne_bf16(v)
     elif ACT == 2:
         return v.to(tl.float16).to(tl.float32)
     else:
@@ -99,10 +99,10 @@ def _round_act(v, ACT: tl.constexpr):
 
 
 @triton.jit
-def _to_act(v, ACT: tl.constexpr):
+def to_act(v, ACT: tl.constexpr):
     """fp32 -> a tensor of the activation dtype, rounded to nearest even."""
     if ACT == 1:
-        return _rne_bf16(v).to(tl.bfloat16)
+        return rne_bf16(v).to(tl.bfloat16)
     elif ACT == 2:
         return v.to(tl.float16)
     else:
@@ -110,23 +110,23 @@ def _to_act(v, ACT: tl.constexpr):
 
 
 @triton.jit
-def _quant_group(v):
+def quant_group(v):
     """[R, 128] fp32 -> (e4m3-valued fp32 [R, 128], scales [R]) exactly as graphs/fp8.quantize_activation."""
     amax = tl.max(tl.abs(v), axis=1)
     s = tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0)
-    q = _rne_e4m3(tl.math.div_rn(v, s[:, None]))
+    q = rne_e4m3(tl.math.div_rn(v, s[:, None]))
     return q, s
 
 
 @triton.jit
-def _scaled_dot(a, a_s, b, b_s, acc, A_FP8: tl.constexpr, ACT: tl.constexpr, DOT16: tl.constexpr):
+def scaled_dot(a, a_s, b, b_s, acc, A_FP8: tl.constexpr, ACT: tl.constexpr, DOT16: tl.constexpr):
     """One K step: acc += a[BM, BK] · b[BK, BN] with block scales; a_s [BM] (W8A8 only), b_s [BN]."""
     if A_FP8:
         # a fresh dot per 128-wide step, scaled, then added in fp32: the fp8 products never mix scale groups
         # (on sm_90 the wgmma of one step may sum its 128 products in reduced precision — DeepGEMM's trade too)
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
     else:
-        w = _to_act(b.to(tl.float32) * b_s[None, :], ACT)  # dequantized weight in the activation dtype
+        w = to_act(b.to(tl.float32) * b_s[None, :], ACT)  # dequantized weight in the activation dtype
         if DOT16:
             acc = tl.dot(a, w, acc)
         else:
@@ -137,7 +137,7 @@ def _scaled_dot(a, a_s, b, b_s, acc, A_FP8: tl.constexpr, ACT: tl.constexpr, DOT
 # ---------------------------------------------------------------------------------------------- kernels
 
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm,
+def act_quant_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm,
                       BLOCK_ROWS: tl.constexpr, GROUP: tl.constexpr):
     pid_m = tl.program_id(0)
     g = tl.program_id(1)
@@ -145,13 +145,13 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm,
     rmask = rows < M
     cols = g * GROUP + tl.arange(0, GROUP)
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=rmask[:, None], other=0.0)
-    q, s = _quant_group(x.to(tl.float32))
+    q, s = quant_group(x.to(tl.float32))
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(tl.float8e4nv), mask=rmask[:, None])
     tl.store(s_ptr + rows * stride_sm + g, s, mask=rmask)
 
 
 @triton.jit
-def _grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
+def grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
     """Program id -> (tile row, tile column), walking GROUP_M tile rows at a time so programs running together
     share weight tiles in L2."""
     group = pid // (GROUP_M * num_n)
@@ -163,7 +163,7 @@ def _grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _linear_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
+def linear_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
                    stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                    A_FP8: tl.constexpr, ACT: tl.constexpr, DOT16: tl.constexpr, EVEN_K: tl.constexpr):
@@ -171,7 +171,7 @@ def _linear_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
-    pid_m, pid_n = _grouped_tile(pid, num_m, num_n, GROUP_M)
+    pid_m, pid_n = grouped_tile(pid, num_m, num_n, GROUP_M)
 
     offs_m = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -195,14 +195,61 @@ def _linear_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
         a_s = b_s  # unused unless A_FP8
         if A_FP8:
             a_s = tl.load(as_ptrs + k0 // 128, mask=m_mask, other=0.0)
-        acc = _scaled_dot(a, a_s, b, b_s, acc, A_FP8, ACT, DOT16)
+        acc = scaled_dot(a, a_s, b, b_s, acc, A_FP8, ACT, DOT16)
         a_ptrs += BK
         b_ptrs += BK
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, _to_act(acc, ACT), mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(c_ptrs, to_act(acc, ACT), mask=m_mask[:, None] & n_mask[None, :])
 
 
 # ---------------------------------------------------------------------------------------------- wrappers
+
+# ---- the whole contract in one kernel, for TensorRT's AOT plugin (runtime/trt/aot_linear.py) --------------------
+# An AOT plugin is exactly one compiled kernel, launched with (input pointers..., extra int32 scalars..., output
+# pointers...). The two-launch path above quantizes activations separately (W8A8); here each [BM, 128] activation
+# tile is quantized in registers with the same helpers — the same bits, at the price of re-quantizing a row tile
+# once per N tile (negligible next to the tile's dot).
+
+@triton.jit
+def fp8_linear_aot_kernel(x_ptr, w_ptr, ws_ptr, M, y_ptr,
+                          N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                          BK: tl.constexpr, GROUP_M: tl.constexpr, A_FP8: tl.constexpr, ACT: tl.constexpr,
+                          DOT16: tl.constexpr):
+    """y[M, N] = x[M, K] · W[N, K]ᵀ, all contiguous; W8A8 quantizes x tiles in registers."""
+    KB: tl.constexpr = (K + 127) // 128  # row stride of the block scales
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    num_n: tl.constexpr = (N + BN - 1) // BN
+    pid_m, pid_n = grouped_tile(pid, num_m, num_n, GROUP_M)
+
+    offs_m = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_ptrs = x_ptr + offs_m[:, None] * K + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None]
+    ws_ptrs = ws_ptr + (offs_n // 128) * KB
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        if K % BK == 0:
+            a = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            b = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
+        else:
+            k_ok = offs_k < K - k0
+            a = tl.load(x_ptrs, mask=m_mask[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=n_mask[None, :] & k_ok[:, None], other=0.0)
+        b_s = tl.load(ws_ptrs + k0 // 128, mask=n_mask, other=0.0)
+        a_s = b_s  # unused unless A_FP8
+        if A_FP8:
+            q, a_s = quant_group(a.to(tl.float32))  # one 1x128 group per row: BK == 128
+            a = q.to(tl.float8e4nv)
+        acc = scaled_dot(a, a_s, b, b_s, acc, A_FP8, ACT, DOT16)
+        x_ptrs += BK
+        w_ptrs += BK
+    y_ptrs = y_ptr + offs_m[:, None] * N + offs_n[None, :]
+    tl.store(y_ptrs, to_act(acc, ACT), mask=m_mask[:, None] & n_mask[None, :])
+
 
 def quantize_activation(x: torch.Tensor, block_rows: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     """[M, K] (K % 128 == 0, unit stride in K) -> (fp8 [M, K], fp32 scales [M, K/128]); same bits as
@@ -215,7 +262,7 @@ def quantize_activation(x: torch.Tensor, block_rows: int = 16) -> tuple[torch.Te
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, k // BLOCK, dtype=torch.float32, device=x.device)
     if m:
-        _act_quant_kernel[(cdiv(m, block_rows), k // BLOCK)](
+        act_quant_kernel[(cdiv(m, block_rows), k // BLOCK)](
             x, q, s, m, x.stride(0), q.stride(0), s.stride(0), BLOCK_ROWS=block_rows, GROUP=BLOCK)
     return q, s
 
@@ -285,7 +332,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
         a_s = scale_inv  # placeholder, never read
     y = out.view(m, n)
     grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n),)
-    _linear_kernel[grid](
+    linear_kernel[grid](
         a, a_s, weight, scale_inv, y, m, n, k,
         a.stride(0), a_s.stride(0), weight.stride(0), scale_inv.stride(0), y.stride(0),
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,

@@ -1,12 +1,12 @@
 """Triton MoE for FP8 block-scaled experts: the four stages of MoeFp8 (graphs/contracts.MOE_STAGES), one kernel
 each, computed as graphs/moe_ref defines them:
 
-  1. _align_kernel: sort the (token, expert) pairs by expert (stable) -> sorted_pairs [n], expert_offsets [E+1];
-  2. _gate_up_kernel: one grouped GEMM computes gate and up tiles for the same sorted rows (two accumulators); under
+  1. align_kernel: sort the (token, expert) pairs by expert (stable) -> sorted_pairs [n], expert_offsets [E+1];
+  2. gate_up_kernel: one grouped GEMM computes gate and up tiles for the same sorted rows (two accumulators); under
      W8A8 it quantizes each 1×128 group of x in registers (same bits as quantizing x first), and its epilogue
      computes SiLU(gate)·up and re-quantizes it to fp8 -> h [n, I], h_scale [n, I/128];
-  3. _down_kernel: grouped down GEMM, one output row per pair -> pair_out [n, d] in the activation dtype;
-  4. _combine_kernel: y[t] = Σ_k w[t,k]·pair_out[t·k_top + k] in fp32, cast to the activation dtype.
+  3. down_kernel: grouped down GEMM, one output row per pair -> pair_out [n, d] in the activation dtype;
+  4. combine_kernel: y[t] = Σ_k w[t,k]·pair_out[t·k_top + k] in fp32, cast to the activation dtype.
 
 The grouped GEMMs find their expert from expert_offsets themselves: tile t of a kernel belongs to the expert whose
 run of ceil(count/BM) tiles contains it. So the layout does not depend on the tile height, and each GEMM picks
@@ -28,14 +28,14 @@ import triton
 import triton.language as tl
 
 from k2trt.graphs.fp8 import BLOCK, PER_TOKEN_GROUP, cdiv
-from k2trt.runtime.kernels.fp8_linear import (_quant_group, _round_act, _scaled_dot, _to_act, act_code,
+from k2trt.runtime.kernels.fp8_linear import (quant_group, round_act, scaled_dot, to_act, act_code,
                                                check_activation_quant, checked_out, dot16)
 
 
 # ---------------------------------------------------------------------------------------------- kernels
 
 @triton.jit
-def _align_kernel(ids_ptr, n, sorted_ptr, off_ptr,
+def align_kernel(ids_ptr, n, sorted_ptr, off_ptr,
                   E: tl.constexpr, BLOCK_E: tl.constexpr, CH: tl.constexpr):
     """One program: count pairs per expert, exclusive offsets by cumsum, then place each pair at its expert's next
     free row, in pair order (rank within a chunk from an equality triangle)."""
@@ -59,7 +59,7 @@ def _align_kernel(ids_ptr, n, sorted_ptr, off_ptr,
 
 
 @triton.jit
-def _expert_tile(off_ptr, pid_m, n, E: tl.constexpr, BM: tl.constexpr, BLOCK_E: tl.constexpr):
+def expert_tile(off_ptr, pid_m, n, E: tl.constexpr, BM: tl.constexpr, BLOCK_E: tl.constexpr):
     """The expert of row tile pid_m and the tile's sorted rows [start, stop). e >= E: past the last tile."""
     idx = tl.arange(0, BLOCK_E)
     lo = tl.minimum(tl.maximum(tl.load(off_ptr + idx, mask=idx < E, other=0), 0), n)
@@ -74,7 +74,7 @@ def _expert_tile(off_ptr, pid_m, n, E: tl.constexpr, BM: tl.constexpr, BLOCK_E: 
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, sorted_ptr, off_ptr, gw_ptr, gs_ptr, uw_ptr, us_ptr, M, n, h_ptr, hs_ptr,
+def gate_up_kernel(x_ptr, sorted_ptr, off_ptr, gw_ptr, gs_ptr, uw_ptr, us_ptr, M, n, h_ptr, hs_ptr,
                     E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, BLOCK_E: tl.constexpr, A_FP8: tl.constexpr, ACT: tl.constexpr,
                     DOT16: tl.constexpr):
@@ -85,7 +85,7 @@ def _gate_up_kernel(x_ptr, sorted_ptr, off_ptr, gw_ptr, gs_ptr, uw_ptr, us_ptr, 
     num_n: tl.constexpr = (N + BN - 1) // BN
     pid_m = pid // num_n
     pid_n = pid % num_n
-    e, start, stop = _expert_tile(off_ptr, pid_m, n, E, BM, BLOCK_E)
+    e, start, stop = expert_tile(off_ptr, pid_m, n, E, BM, BLOCK_E)
     if e >= E:
         return
     rows = start + tl.arange(0, BM)
@@ -118,30 +118,30 @@ def _gate_up_kernel(x_ptr, sorted_ptr, off_ptr, gw_ptr, gs_ptr, uw_ptr, us_ptr, 
         su = tl.load(us_ptr + s_off + k0 // 128, mask=n_mask, other=0.0)
         a_s = sg  # unused unless A_FP8
         if A_FP8:
-            q, a_s = _quant_group(a.to(tl.float32))  # one 1x128 group per row: BK == 128
+            q, a_s = quant_group(a.to(tl.float32))  # one 1x128 group per row: BK == 128
             a = q.to(tl.float8e4nv)
-        acc_g = _scaled_dot(a, a_s, bg, sg, acc_g, A_FP8, ACT, DOT16)
-        acc_u = _scaled_dot(a, a_s, bu, su, acc_u, A_FP8, ACT, DOT16)
+        acc_g = scaled_dot(a, a_s, bg, sg, acc_g, A_FP8, ACT, DOT16)
+        acc_u = scaled_dot(a, a_s, bu, su, acc_u, A_FP8, ACT, DOT16)
         a_ptrs += BK
         g_ptrs += BK
         u_ptrs += BK
     # the reference rounds gate, up, silu(gate) and the product to x's dtype; torch's silu is x / (1 + exp(-x))
-    g = _round_act(acc_g, ACT)
-    u = _round_act(acc_u, ACT)
-    h = _round_act(_round_act(tl.math.div_rn(g, 1.0 + tl.exp(-g)), ACT) * u, ACT)
+    g = round_act(acc_g, ACT)
+    u = round_act(acc_u, ACT)
+    h = round_act(round_act(tl.math.div_rn(g, 1.0 + tl.exp(-g)), ACT) * u, ACT)
     rows64 = rows.to(tl.int64)
     h_ptrs = h_ptr + rows64[:, None] * N + offs_n[None, :]
     if A_FP8:
-        q, s = _quant_group(h)  # BN == 128: this tile is exactly one 1×128 group per row
+        q, s = quant_group(h)  # BN == 128: this tile is exactly one 1×128 group per row
         tl.store(h_ptrs, q.to(tl.float8e4nv), mask=valid[:, None])
         tl.store(hs_ptr + rows64 * NB + pid_n, s, mask=valid)
     else:
-        tl.store(h_ptrs, _to_act(h, ACT), mask=valid[:, None] & n_mask[None, :])
+        tl.store(h_ptrs, to_act(h, ACT), mask=valid[:, None] & n_mask[None, :])
         tl.store(hs_ptr + rows64 * NB + pid_n, tl.full((BM,), 1.0, tl.float32), mask=valid)  # BN == 128
 
 
 @triton.jit
-def _down_kernel(h_ptr, hs_ptr, sorted_ptr, off_ptr, w_ptr, s_ptr, n, out_ptr,
+def down_kernel(h_ptr, hs_ptr, sorted_ptr, off_ptr, w_ptr, s_ptr, n, out_ptr,
                  E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, BLOCK_E: tl.constexpr, A_FP8: tl.constexpr, ACT: tl.constexpr,
                  DOT16: tl.constexpr):
@@ -151,7 +151,7 @@ def _down_kernel(h_ptr, hs_ptr, sorted_ptr, off_ptr, w_ptr, s_ptr, n, out_ptr,
     num_n: tl.constexpr = (N + BN - 1) // BN
     pid_m = pid // num_n
     pid_n = pid % num_n
-    e, start, stop = _expert_tile(off_ptr, pid_m, n, E, BM, BLOCK_E)
+    e, start, stop = expert_tile(off_ptr, pid_m, n, E, BM, BLOCK_E)
     if e >= E:
         return
     rows = start + tl.arange(0, BM)
@@ -177,15 +177,15 @@ def _down_kernel(h_ptr, hs_ptr, sorted_ptr, off_ptr, w_ptr, s_ptr, n, out_ptr,
         a_s = b_s  # unused unless A_FP8
         if A_FP8:
             a_s = tl.load(as_ptrs + k0 // 128, mask=valid, other=0.0)
-        acc = _scaled_dot(a, a_s, b, b_s, acc, A_FP8, ACT, DOT16)
+        acc = scaled_dot(a, a_s, b, b_s, acc, A_FP8, ACT, DOT16)
         a_ptrs += BK
         b_ptrs += BK
     pair = tl.minimum(tl.maximum(tl.load(sorted_ptr + rows, mask=valid, other=0), 0), n - 1).to(tl.int64)
-    tl.store(out_ptr + pair[:, None] * N + offs_n[None, :], _to_act(acc, ACT), mask=valid[:, None] & n_mask[None, :])
+    tl.store(out_ptr + pair[:, None] * N + offs_n[None, :], to_act(acc, ACT), mask=valid[:, None] & n_mask[None, :])
 
 
 @triton.jit
-def _combine_kernel(o_ptr, w_ptr, y_ptr, D: tl.constexpr, TOP_K: tl.constexpr, BLOCK_D: tl.constexpr,
+def combine_kernel(o_ptr, w_ptr, y_ptr, D: tl.constexpr, TOP_K: tl.constexpr, BLOCK_D: tl.constexpr,
                     ACT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -195,7 +195,7 @@ def _combine_kernel(o_ptr, w_ptr, y_ptr, D: tl.constexpr, TOP_K: tl.constexpr, B
         w = tl.load(w_ptr + t * TOP_K + j)
         v = tl.load(o_ptr + (t * TOP_K + j) * D + offs, mask=mask, other=0.0).to(tl.float32)
         acc += v * w
-    tl.store(y_ptr + t * D + offs, _to_act(acc, ACT), mask=mask)
+    tl.store(y_ptr + t * D + offs, to_act(acc, ACT), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------- launch rules
@@ -294,7 +294,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, sorted_pairs=None, exper
     n = flat.numel()
     sorted_pairs = checked_out(sorted_pairs, (n,), torch.int32, flat.device)
     expert_offsets = checked_out(expert_offsets, (num_experts + 1,), torch.int32, flat.device)
-    _align_kernel[(1,)](flat, n, sorted_pairs, expert_offsets, **align_constexprs(num_experts),
+    align_kernel[(1,)](flat, n, sorted_pairs, expert_offsets, **align_constexprs(num_experts),
                         num_warps=ALIGN_WARPS)
     return sorted_pairs, expert_offsets
 
@@ -311,7 +311,7 @@ def moe_gate_up(x2, sorted_pairs, expert_offsets, gate_w, gate_s, up_w, up_s, ac
     h = checked_out(h, (n, inter), torch.float8_e4m3fn if w8a8 else x2.dtype, x2.device)
     h_scale = checked_out(h_scale, (n, cdiv(inter, BLOCK)), torch.float32, x2.device)
     if n:
-        _gate_up_kernel[(gemm_grid(n, num_experts, inter, tiles),)](
+        gate_up_kernel[(gemm_grid(n, num_experts, inter, tiles),)](
             x2.contiguous(), sorted_pairs, expert_offsets, gate_w.contiguous(), gate_s.float().contiguous(),
             up_w.contiguous(), up_s.float().contiguous(), m, n, h, h_scale,
             **gemm_constexprs(num_experts, inter, d, tiles, activation_quant, x2.dtype),
@@ -328,7 +328,7 @@ def moe_down(h, h_scale, sorted_pairs, expert_offsets, down_w, down_s, activatio
     tiles = gemm_tiles("down", tactic or default_tactic(n, num_experts))
     out = checked_out(out, (n, d), dtype, h.device)
     if n:
-        _down_kernel[(gemm_grid(n, num_experts, d, tiles),)](
+        down_kernel[(gemm_grid(n, num_experts, d, tiles),)](
             h, h_scale, sorted_pairs, expert_offsets, down_w.contiguous(), down_s.float().contiguous(), n, out,
             **gemm_constexprs(num_experts, d, inter, tiles, activation_quant, dtype),
             num_warps=tiles.num_warps, num_stages=tiles.num_stages)
@@ -342,7 +342,7 @@ def moe_combine(pair_out, topk_weights, out=None):
     m, d = w.shape[0], pair_out.shape[1]
     out = checked_out(out, (m, d), pair_out.dtype, pair_out.device)
     if m:
-        _combine_kernel[(m, cdiv(d, COMBINE_BLOCK_D))](pair_out, w, out, **combine_constexprs(d, top_k, out.dtype))
+        combine_kernel[(m, cdiv(d, COMBINE_BLOCK_D))](pair_out, w, out, **combine_constexprs(d, top_k, out.dtype))
     return out
 
 

@@ -20,12 +20,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k2trt.errors import K2Error
-from k2trt.runtime.sampling import MAX_SEED, SamplingParams
-from k2trt.runtime.scheduler import Request as GenRequest
-from k2trt.runtime.serve import protocol as P
-from k2trt.runtime.serve.engine import END, Engine, Handle, QueueFull, ShuttingDown
+from k2trt.runtime.generation.sampling import MAX_SEED, SamplingParams
+from k2trt.runtime.generation.scheduler import Request as GenRequest
+from k2trt.runtime.serve import protocol
+from k2trt.runtime.serve.scheduler_thread import END, Handle, QueueFull, SchedulerThread, ShuttingDown
 from k2trt.runtime.serve.metrics import LOG, Metrics
-from k2trt.runtime.text_stream import StopMatcher, TextStream
+from k2trt.runtime.text.text_stream import StopMatcher, TextStream
 
 DISCONNECT_POLL_S = 0.25
 
@@ -38,7 +38,7 @@ class ServeConfig:
     retry_after_s: int = 1
 
 
-def _error(e: P.APIError) -> JSONResponse:
+def _error(e: protocol.APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
@@ -58,7 +58,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
-        too_big = P.APIError(413, f"the request body exceeds {self.limit} bytes", code="request_too_large")
+        too_big = protocol.APIError(413, f"the request body exceeds {self.limit} bytes", code="request_too_large")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await _error(too_big)(scope, receive, send)
         seen = 0
@@ -82,7 +82,7 @@ class _TooBig(Exception):
     pass
 
 
-def create_app(engine: Engine, tokenizer, config: ServeConfig) -> FastAPI:
+def create_app(engine: SchedulerThread, tokenizer, config: ServeConfig) -> FastAPI:
     app = FastAPI(title="k2trt", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     metrics = Metrics(engine)
@@ -90,29 +90,29 @@ def create_app(engine: Engine, tokenizer, config: ServeConfig) -> FastAPI:
     app.state.engine, app.state.metrics = engine, metrics
 
     # ---- errors as OpenAI's error objects --------------------------------------------------------------
-    @app.exception_handler(P.APIError)
-    async def _api_error(request, e: P.APIError):
+    @app.exception_handler(protocol.APIError)
+    async def _api_error(request, e: protocol.APIError):
         return _error(e)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e: RequestValidationError):
         first = e.errors()[0]
         if first.get("type") == "json_invalid":
-            return _error(P.APIError(400, f"the body is not valid JSON ({first.get('msg')})", param="body"))
+            return _error(protocol.APIError(400, f"the body is not valid JSON ({first.get('msg')})", param="body"))
         field = _field(first.get("loc", ()))
         msg = str(first.get("msg", "invalid")).removeprefix("Value error, ")
         if field == "body" and "not supported" in msg:
             field = msg.split()[0]
-        return _error(P.APIError(400, f"{field}: {msg}", param=field))
+        return _error(protocol.APIError(400, f"{field}: {msg}", param=field))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, e: StarletteHTTPException):
-        return _error(P.APIError(e.status_code, str(e.detail), type_="invalid_request_error"))
+        return _error(protocol.APIError(e.status_code, str(e.detail), type_="invalid_request_error"))
 
     @app.exception_handler(Exception)
     async def _internal(request, e: Exception):
         LOG.exception("internal error on %s", request.url.path)
-        return _error(P.APIError(500, f"internal error: {type(e).__name__}", type_="server_error"))
+        return _error(protocol.APIError(500, f"internal error: {type(e).__name__}", type_="server_error"))
 
     @app.middleware("http")
     async def _count(request: Request, call_next):
@@ -125,7 +125,7 @@ def create_app(engine: Engine, tokenizer, config: ServeConfig) -> FastAPI:
     @app.get("/health")
     async def health():
         if engine.error is not None:
-            return _error(P.APIError(503, f"the engine stopped: {engine.error}", type_="server_error"))
+            return _error(protocol.APIError(503, f"the engine stopped: {engine.error}", type_="server_error"))
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -137,14 +137,14 @@ def create_app(engine: Engine, tokenizer, config: ServeConfig) -> FastAPI:
         return {"object": "list", "data": [_model_card(config)]}
 
     @app.post("/v1/chat/completions")
-    async def chat(body: P.ChatCompletionRequest, request: Request):
+    async def chat(body: protocol.ChatCompletionRequest, request: Request):
         _check_model(body.model, config)
         # rendering and tokenizing a 4 MiB body takes a while: off the event loop, which streams every request
         prompt = await asyncio.to_thread(chat_prompt, tokenizer, body.messages)
         return await _generate(request, body, [prompt], chat=True)
 
     @app.post("/v1/completions")
-    async def completions(body: P.CompletionRequest, request: Request):
+    async def completions(body: protocol.CompletionRequest, request: Request):
         _check_model(body.model, config)
         prompts = await asyncio.to_thread(
             lambda: [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()])
@@ -158,10 +158,10 @@ def create_app(engine: Engine, tokenizer, config: ServeConfig) -> FastAPI:
         try:
             for pi, prompt in enumerate(prompts):
                 if not prompt:
-                    raise P.APIError(400, "prompt: must not be empty", param="prompt")
+                    raise protocol.APIError(400, "prompt: must not be empty", param="prompt")
                 max_new = body.new_tokens(config.max_context - len(prompt))
                 if len(prompt) + max(1, max_new) > config.max_context:
-                    raise P.APIError(400, f"This model's maximum context length is {config.max_context} tokens. "
+                    raise protocol.APIError(400, f"This model's maximum context length is {config.max_context} tokens. "
                                           f"However, you requested {len(prompt) + max_new} tokens ({len(prompt)} "
                                           f"in the prompt, {max_new} in the completion).",
                                      param="messages" if chat else "prompt", code="context_length_exceeded")
@@ -170,19 +170,19 @@ def create_app(engine: Engine, tokenizer, config: ServeConfig) -> FastAPI:
                                                                     loop)))
         except QueueFull as e:
             _cancel(handles)
-            raise P.APIError(429, f"too many requests are waiting ({e}); retry later", type_="rate_limit_error",
+            raise protocol.APIError(429, f"too many requests are waiting ({e}); retry later", type_="rate_limit_error",
                              headers={"Retry-After": str(config.retry_after_s)}) from None
         except ShuttingDown as e:
             _cancel(handles)
-            raise P.APIError(503, str(e), type_="server_error", headers={"Retry-After": "5"}) from None
+            raise protocol.APIError(503, str(e), type_="server_error", headers={"Retry-After": "5"}) from None
         except K2Error as e:
             _cancel(handles)
-            raise P.APIError(400, str(e)) from None
-        except P.APIError:
+            raise protocol.APIError(400, str(e)) from None
+        except protocol.APIError:
             _cancel(handles)
             raise
         kind = "chat.completion" if chat else "text_completion"
-        rid = P.new_id("chatcmpl" if chat else "cmpl")
+        rid = protocol.new_id("chatcmpl" if chat else "cmpl")
         stops = body.stops()
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -199,7 +199,7 @@ def create_app(engine: Engine, tokenizer, config: ServeConfig) -> FastAPI:
             _cancel(handles)
         choices = [_choice(i, texts[i], h.request, chat) for _, i, h in handles]
         _finish_log(handles, rid, t0, chat)
-        return {"id": rid, "object": kind, "created": P.now(), "model": body.model, "choices": choices,
+        return {"id": rid, "object": kind, "created": protocol.now(), "model": body.model, "choices": choices,
                 "usage": _usage(handles)}
 
     def _text_streams(handles, stops: list[str]) -> dict[int, TextStream]:
@@ -219,12 +219,12 @@ def create_app(engine: Engine, tokenizer, config: ServeConfig) -> FastAPI:
                 continue
             if item is END:
                 if engine.error is not None:
-                    raise P.APIError(500, f"the engine stopped: {engine.error}", type_="server_error")
+                    raise protocol.APIError(500, f"the engine stopped: {engine.error}", type_="server_error")
                 return
             yield item
 
     async def _stream(request, handles, rid, kind, model, stops, chat, include_usage, t0):
-        created = P.now()
+        created = protocol.now()
         streams = _text_streams(handles, stops)
 
         def chunk(choices, usage=None):
@@ -253,7 +253,7 @@ def create_app(engine: Engine, tokenizer, config: ServeConfig) -> FastAPI:
                         req = by_index[i].request
                         if req.finish_reason is None or req.finish_reason == "cancelled":
                             continue  # the client went away
-                        yield chunk([_delta(i, tail, P.finish_reason(req.finish_reason), chat)])
+                        yield chunk([_delta(i, tail, protocol.finish_reason(req.finish_reason), chat)])
                         continue
                     text = streams[i].feed(tok)
                     if text:
@@ -279,24 +279,24 @@ def create_app(engine: Engine, tokenizer, config: ServeConfig) -> FastAPI:
 
 
 def _model_card(config: ServeConfig) -> dict:
-    return {"id": config.model_name, "object": "model", "created": P.now(), "owned_by": "k2trt",
+    return {"id": config.model_name, "object": "model", "created": protocol.now(), "owned_by": "k2trt",
             "max_model_len": config.max_context}
 
 
 def _check_model(name: str, config: ServeConfig) -> None:
     if name != config.model_name:
-        raise P.APIError(404, f"The model `{name}` does not exist (this server serves `{config.model_name}`)",
+        raise protocol.APIError(404, f"The model `{name}` does not exist (this server serves `{config.model_name}`)",
                          param="model", code="model_not_found")
 
 
-def chat_prompt(tokenizer, messages: list[P.ChatMessage]) -> list[int]:
-    """The conversation through the checkpoint's chat template (runtime/messages.py: message contents stay text,
+def chat_prompt(tokenizer, messages: list[protocol.ChatMessage]) -> list[int]:
+    """The conversation through the checkpoint's chat template (runtime/text/messages.py: message contents stay text,
     only the template's markers are special tokens). OpenAI's "developer" role is its system role."""
     try:
         return tokenizer.encode_chat([{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
                                        **({"name": m.name} if m.name else {})} for m in messages])
     except K2Error as e:
-        raise P.APIError(400, str(e), param="messages") from None
+        raise protocol.APIError(400, str(e), param="messages") from None
 
 
 def _request(body, prompt: list[int], max_new: int, choice: int, tokenizer) -> GenRequest:
@@ -316,7 +316,7 @@ def _cancel(handles) -> None:
 
 
 def _choice(index: int, text: str, req: GenRequest, chat: bool) -> dict:
-    reason = P.finish_reason(req.finish_reason)
+    reason = protocol.finish_reason(req.finish_reason)
     if chat:
         return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
                 "logprobs": None}
@@ -333,5 +333,5 @@ def _usage(handles) -> dict:
     prompts = {}
     for pi, _, h in handles:
         prompts[pi] = len(h.request.prompt)
-    return P.usage(sum(prompts.values()), sum(len(h.request.token_ids) for _, _, h in handles))
+    return protocol.usage(sum(prompts.values()), sum(len(h.request.token_ids) for _, _, h in handles))
 

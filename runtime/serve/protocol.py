@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from k2trt.runtime.sampling import MAX_SEED
+from k2trt.runtime.generation.sampling import MAX_SEED
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16

@@ -5,11 +5,11 @@ TensorRT's rules for the PTX (tensorrt/plugin/_plugin_class.py _TemplateAOTPlugi
     Triton's hidden scratch parameters (Triton >= 3.3) are stripped, and a kernel that reads them is refused;
   * shared_mem is "the dynamic shared-memory per thread block"; TensorRT documents no way to raise a kernel's
     limit above the 48 KiB every CUDA launch gets without cudaFuncSetAttribute (CUDA C++ Programming Guide,
-    "Shared Memory"), so plans shrink until they fit AOT_SHARED_LIMIT;
+    "Shared Memory"), so launches shrink until they fit AOT_SHARED_LIMIT;
   * the PTX is JIT-compiled where the engine is loaded: its `.version` must not exceed the PTX ISA the driver
     accepts (PTX ISA release notes: CUDA 12.x accepts up to 8.x, 13.0 up to 9.0), chosen by the builder
     (runtime/trt/environment.max_ptx_version) and set with `configure`;
-  * every entry name is unique (plan digest + a sequence number): one engine holds many plugins' kernels, and
+  * every entry name is unique (launch digest + a sequence number): one engine holds many plugins' kernels, and
     nothing in TensorRT's documentation says they live in separate modules.
 Pointers are declared 16-byte divisible (`tt.divisibility`, as triton/tools/compile.py declares them), which lets
 Triton vectorize loads and pipeline them with cp.async; TensorRT requires bound tensors to be 256-byte aligned
@@ -106,49 +106,49 @@ def ptx_version_of(ptx: str) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def _compile(plan, target: Target | None):
-    """(entry name, PTX, warps, shared bytes) of a plan, parameters stripped; cached per plan and target."""
+def _compile(launch, target: Target | None):
+    """(entry name, PTX, warps, shared bytes) of a launch, parameters stripped; cached per launch and target."""
     from triton.backends.compiler import GPUTarget
 
-    kernel, constexprs = plan.kernel, plan.constexprs()
-    sig, attrs = signature(kernel, plan.pointer_types(), constexprs)
+    kernel, constexprs = launch.kernel, launch.constexprs()
+    sig, attrs = signature(kernel, launch.pointer_types(), constexprs)
     src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
-    options = {"num_warps": plan.num_warps, "num_stages": plan.num_stages}
+    options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
     if target is not None and target.ptx_version is not None:
         options["ptx_version"] = target.ptx_version
     compiled = triton.compile(src, target=None if target is None else GPUTarget("cuda", target.arch, 32),
                               options=options)
     md = compiled.metadata
     if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
-        raise ValueError(f"{plan.label}: the kernel needs Triton scratch memory, which TensorRT cannot provide")
+        raise ValueError(f"{launch.label}: the kernel needs Triton scratch memory, which TensorRT cannot provide")
     runtime_params = sum(1 for v in sig.values() if v != "constexpr")
     return md.name, strip_unused_params(compiled.asm["ptx"], md.name, runtime_params), md.num_warps, md.shared
 
 
-def shrink_tiles(plan, narrow_n: bool = True):
-    """The next smaller config of a GEMM plan, or None: fewer stages, then (where `narrow_n`) narrower N down to
+def shrink_tiles(launch, narrow_n: bool = True):
+    """The next smaller config of a GEMM launch, or None: fewer stages, then (where `narrow_n`) narrower N down to
     32, then fewer rows down to 16."""
-    if plan.num_stages > 1:
-        return replace(plan, num_stages=plan.num_stages - 1)
-    if narrow_n and plan.block_n > 32:
-        return replace(plan, block_n=plan.block_n // 2, num_stages=2)
-    if plan.block_m > 16:
-        return replace(plan, block_m=plan.block_m // 2, num_stages=2)
+    if launch.num_stages > 1:
+        return replace(launch, num_stages=launch.num_stages - 1)
+    if narrow_n and launch.block_n > 32:
+        return replace(launch, block_n=launch.block_n // 2, num_stages=2)
+    if launch.block_m > 16:
+        return replace(launch, block_m=launch.block_m // 2, num_stages=2)
     return None
 
 
-def compile_plan(plan, target: Target | None = None):
-    """Compile a plan, shrinking it until it fits AOT_SHARED_LIMIT -> (the plan compiled, AotKernel).
+def compile_launch(launch, target: Target | None = None):
+    """Compile a launch, shrinking it until it fits AOT_SHARED_LIMIT -> (the launch compiled, AotKernel).
 
-    A plan is a frozen dataclass with: label, kernel, pointer_types(), constexprs(), num_warps, num_stages,
+    A launch is a frozen dataclass with: label, kernel, pointer_types(), constexprs(), num_warps, num_stages,
     shrink() (the next smaller config, or None)."""
     target = target if target is not None else _target
-    first = plan
-    while plan is not None:
-        name, ptx, warps, shared = _compile(plan, target)
+    first = launch
+    while launch is not None:
+        name, ptx, warps, shared = _compile(launch, target)
         if shared <= AOT_SHARED_LIMIT:
-            digest = hashlib.sha256(repr((plan, target)).encode()).hexdigest()[:10]
-            unique = f"{ENTRY_PREFIX}{plan.label}_{digest}_{next(_sequence)}"
-            return plan, AotKernel(unique, rename_entry(ptx, name, unique), warps * 32, shared)
-        plan = plan.shrink()
+            digest = hashlib.sha256(repr((launch, target)).encode()).hexdigest()[:10]
+            unique = f"{ENTRY_PREFIX}{launch.label}_{digest}_{next(_sequence)}"
+            return launch, AotKernel(unique, rename_entry(ptx, name, unique), warps * 32, shared)
+        launch = launch.shrink()
     raise ValueError(f"{first.label}: no tile config fits in {AOT_SHARED_LIMIT // 1024} KiB of shared memory")

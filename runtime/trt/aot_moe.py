@@ -1,9 +1,9 @@
-"""AOT plans of the four MoE stage plugins (graphs/contracts.MOE_STAGES): which kernel of runtime/kernels/moe.py,
-with which constants, tiles, grid and extra scalars. runtime/trt/aot.py compiles a plan to PTX; the plugin
+"""AOT launches of the four MoE stage plugins (graphs/contracts.MOE_STAGES): which kernel of runtime/kernels/moe.py,
+with which constants, tiles, grid and extra scalars. runtime/trt/aot.py compiles a launch to PTX; the plugin
 functions (runtime/trt/plugins.py) hand the result to TensorRT. The kernels' parameters are already in TensorRT's
 launch order, and the tile rules are moe.py's own, so the AOT plugins and the JIT path run the same code.
 
-Every plan answers grid(num_pairs, num_tokens, minimum) and extra_args(num_pairs, num_tokens) on ints and on
+Every launch answers grid(num_pairs, num_tokens, minimum) and extra_args(num_pairs, num_tokens) on ints and on
 TensorRT shape expressions alike (minimum: tensorrt.plugin.min for expressions).
 """
 
@@ -23,12 +23,12 @@ def _ptr(act: str) -> str:
 
 
 @dataclass(frozen=True)
-class AlignPlan:
+class AlignLaunch:
     num_experts: int
     num_warps: int = moe.ALIGN_WARPS
     num_stages: int = 1
 
-    kernel = moe._align_kernel
+    kernel = moe.align_kernel
     label = "moe_align"
 
     def pointer_types(self) -> dict[str, str]:
@@ -48,7 +48,7 @@ class AlignPlan:
 
 
 @dataclass(frozen=True)
-class GemmPlan:
+class GemmLaunch:
     """The gate+up (stage "gate_up": out_cols = I, in_cols = d) or the down GEMM ("down": d, I)."""
     stage: str
     num_experts: int
@@ -63,7 +63,7 @@ class GemmPlan:
 
     @property
     def kernel(self):
-        return moe._gate_up_kernel if self.stage == "gate_up" else moe._down_kernel
+        return moe.gate_up_kernel if self.stage == "gate_up" else moe.down_kernel
 
     @property
     def label(self) -> str:
@@ -87,7 +87,7 @@ class GemmPlan:
                                    self.activation_quant, torch_dtype(self.act))
 
     def shrink(self):
-        """As every GEMM plan shrinks, but N narrows for down only: gate+up tiles are one 128-wide group."""
+        """As every GEMM launch shrinks, but N narrows for down only: gate+up tiles are one 128-wide group."""
         return shrink_tiles(self, narrow_n=self.stage == "down")
 
     def grid(self, num_pairs, num_tokens, minimum=min):
@@ -98,14 +98,14 @@ class GemmPlan:
 
 
 @dataclass(frozen=True)
-class CombinePlan:
+class CombineLaunch:
     d: int
     top_k: int
     act: str
     num_warps: int = 4
     num_stages: int = 1
 
-    kernel = moe._combine_kernel
+    kernel = moe.combine_kernel
     label = "moe_combine"
 
     def pointer_types(self) -> dict[str, str]:
@@ -124,8 +124,8 @@ class CombinePlan:
         return ()
 
 
-def gemm_plan(stage: str, num_experts: int, out_cols: int, in_cols: int, act: str, activation_quant: int,
-              tactic: int) -> GemmPlan:
+def gemm_launch(stage: str, num_experts: int, out_cols: int, in_cols: int, act: str, activation_quant: int,
+              tactic: int) -> GemmLaunch:
     t = moe.gemm_tiles(stage, tactic)
-    return GemmPlan(stage, num_experts, out_cols, in_cols, act, activation_quant, t.block_m, t.block_n,
+    return GemmLaunch(stage, num_experts, out_cols, in_cols, act, activation_quant, t.block_m, t.block_n,
                     t.num_warps, t.num_stages)

@@ -1,4 +1,4 @@
-"""The TensorRT backend: the engines of an engine directory behind the Backend interface (runtime/backend.py).
+"""The TensorRT backend: the engines of an engine directory behind the Backend interface (runtime/backends/contract.py).
 
   * each engine is deserialized once, with one execution context (and one per captured CUDA graph); the profile is
     chosen per call by T
@@ -22,11 +22,11 @@ from typing import Iterable
 import torch
 
 from k2trt.errors import K2Error
-from k2trt.export.block_graphs import KINDS
-from k2trt.export.manifest import read_manifest
+from k2trt.config import BLOCK_KINDS
+from k2trt.export_manifest import read_manifest
 from k2trt.dtypes import torch_dtype
-from k2trt.runtime.backend import BackendLimits, Progress, WeightSource, prepare_each
-from k2trt.runtime.graph_weights import graph_weights, source_names
+from k2trt.runtime.backends.contract import BackendLimits, Progress, WeightSource, prepare_each
+from k2trt.runtime.backends.graph_weights import graph_weights, source_names
 from k2trt.runtime.trt import engine_manifest as EM
 from k2trt.runtime.trt import environment
 from k2trt.runtime.trt.profiles import DECODE, check_call_shape, eval_dim, profile_index
@@ -132,7 +132,7 @@ class Engine:
 
 
 class TrtBackend:
-    name = "tensorrt"
+    name = "trt"
 
     def __init__(self, engine_dir: str | Path, weights: WeightSource, export_dir: str | Path | None = None,
                  cuda_graphs: bool = False, device: int = 0, verbose: bool = False):
@@ -147,7 +147,7 @@ class TrtBackend:
         if self.manifest["config_fingerprint"] != self.cfg.fingerprint():
             raise K2Error(f"{engine_dir}: engines were built for config {self.manifest['config_fingerprint']}, "
                           f"the checkpoint is {self.cfg.fingerprint()}")
-        missing = [k for k in KINDS if k not in self.manifest["engines"]]
+        missing = [k for k in BLOCK_KINDS if k not in self.manifest["engines"]]
         if missing:
             raise K2Error(f"{engine_dir}: no engine for {', '.join(missing)} (built with --kinds?); "
                           "build all of them to generate")

@@ -25,8 +25,8 @@ from pathlib import Path
 from k2trt.atomic import atomic_write_bytes
 from k2trt.dirlock import writing
 from k2trt.errors import K2Error
-from k2trt.export.block_graphs import KINDS
-from k2trt.export.manifest import graph_file, read_manifest
+from k2trt.config import BLOCK_KINDS
+from k2trt.export_manifest import graph_file, read_manifest
 from k2trt.runtime.trt import engine_manifest as EM
 from k2trt.runtime.trt import environment
 from k2trt.runtime.trt.progress import BuildProgress, progress_monitor
@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, required=True, help="engine directory to write")
     add_profile_arguments(p)
     p.add_argument("--timing-cache", type=Path, help="TensorRT timing cache to read and update (speeds up rebuilds)")
-    p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="build only these engines")
+    p.add_argument("--kinds", nargs="+", choices=BLOCK_KINDS, default=list(BLOCK_KINDS), help="build only these engines")
     p.add_argument("--plugins", choices=PLUGIN_MODES, default="aot",
                    help="aot: plugin kernels compiled into the engine, which then runs without Python (default); "
                         "jit: Python calls the kernels at every enqueue (debugging)")
@@ -55,7 +55,7 @@ def run(args) -> int:
     return 0
 
 
-def build_engines(onnx_dir: Path, out: Path, spec: ProfileSpec, kinds=KINDS, plugins: str = "aot",
+def build_engines(onnx_dir: Path, out: Path, spec: ProfileSpec, kinds=BLOCK_KINDS, plugins: str = "aot",
                   timing_cache: Path | None = None, verbose: bool = False, log=None, logger=None) -> dict:
     """Build the engines of an export directory into `out` and write its manifest; -> the engine manifest.
     log(line) shows progress (default: print, flushed — a build of K2 takes a while)."""

@@ -241,16 +241,16 @@ def _combination(op_type: str, inputs, outputs):
     return [trtp.AutoTuneCombination(types, spec.layouts(), list(spec.tactics) or None)]
 
 
-def _aot_launch(plan, grid, extra):
-    """aot_impl's return value: the plan compiled for this build's target (shrunk to fit, if need be), its launch
-    grid — grid(plan as compiled) -> (grid_x, grid_y) — and the extra int32 scalars."""
+def _aot_launch(launch, grid, extra):
+    """aot_impl's return value: the launch compiled for this build's target (shrunk to fit, if need be), its launch
+    grid — grid(launch as compiled) -> (grid_x, grid_y) — and the extra int32 scalars."""
     import tensorrt.plugin as trtp
 
     from k2trt.runtime.trt import aot
 
-    plan, kernel = aot.compile_plan(plan)
+    launch, kernel = aot.compile_launch(launch)
     params = trtp.KernelLaunchParams()
-    params.grid_x, params.grid_y = grid(plan)
+    params.grid_x, params.grid_y = grid(launch)
     params.block_x = kernel.block_x
     params.shared_mem = kernel.shared
     args = trtp.SymIntExprs(len(extra))
@@ -259,11 +259,11 @@ def _aot_launch(plan, grid, extra):
     return kernel.name, kernel.ptx, params, args
 
 
-def _moe_aot(plan, num_pairs, num_tokens):
+def _moe_aot(launch, num_pairs, num_tokens):
     import tensorrt.plugin as trtp
 
-    return _aot_launch(plan, lambda p: p.grid(num_pairs, num_tokens, minimum=trtp.min),
-                       plan.extra_args(num_pairs, num_tokens))
+    return _aot_launch(launch, lambda p: p.grid(num_pairs, num_tokens, minimum=trtp.min),
+                       launch.extra_args(num_pairs, num_tokens))
 
 
 def _constant(expr, what: str) -> int:
@@ -299,9 +299,9 @@ def fp8_block_linear_aot_impl(x, weight, weight_scale_inv, activation_quant, out
     from k2trt.runtime.trt import aot_linear
 
     n, k = (_constant(weight.shape_expr[i], f"weight dim {i}") for i in (0, 1))
-    plan = aot_linear.plan_for(our_dtype(x.dtype), n, k, attribute(activation_quant), int(tactic))
+    launch = aot_linear.linear_launch(our_dtype(x.dtype), n, k, attribute(activation_quant), int(tactic))
     rows = _rows(x)
-    return _aot_launch(plan, lambda p: (p.grid_x(rows), 1), (rows,))  # extra: the kernel's M
+    return _aot_launch(launch, lambda p: (p.grid_x(rows), 1), (rows,))  # extra: the kernel's M
 
 
 # MoeAlign
@@ -321,10 +321,10 @@ def moe_align_impl(topk_ids, num_experts, outputs, stream):
 
 
 def moe_align_aot_impl(topk_ids, num_experts, outputs, tactic):
-    from k2trt.runtime.trt.aot_moe import AlignPlan
+    from k2trt.runtime.trt.aot_moe import AlignLaunch
 
     pairs = _product(list(topk_ids.shape_expr))
-    return _moe_aot(AlignPlan(attribute(num_experts)), pairs, None)
+    return _moe_aot(AlignLaunch(attribute(num_experts)), pairs, None)
 
 
 # MoeGateUp
@@ -353,11 +353,11 @@ def moe_gate_up_impl(x, sorted_pairs, expert_offsets, gate_weight, gate_scale_in
 
 def moe_gate_up_aot_impl(x, sorted_pairs, expert_offsets, gate_weight, gate_scale_inv, up_weight, up_scale_inv,
                          activation_quant, outputs, tactic):
-    from k2trt.runtime.trt.aot_moe import gemm_plan
+    from k2trt.runtime.trt.aot_moe import gemm_launch
 
     e, inter, d = (_constant(gate_weight.shape_expr[i], f"gate_weight dim {i}") for i in range(3))
-    plan = gemm_plan("gate_up", e, inter, d, our_dtype(x.dtype), attribute(activation_quant), int(tactic))
-    return _moe_aot(plan, sorted_pairs.shape_expr[0], _rows(x))
+    launch = gemm_launch("gate_up", e, inter, d, our_dtype(x.dtype), attribute(activation_quant), int(tactic))
+    return _moe_aot(launch, sorted_pairs.shape_expr[0], _rows(x))
 
 
 # MoeDown
@@ -384,12 +384,12 @@ def moe_down_impl(h, h_scale, sorted_pairs, expert_offsets, down_weight, down_sc
 
 def moe_down_aot_impl(h, h_scale, sorted_pairs, expert_offsets, down_weight, down_scale_inv, activation_quant,
                       out_dtype, outputs, tactic):
-    from k2trt.runtime.trt.aot_moe import gemm_plan
+    from k2trt.runtime.trt.aot_moe import gemm_launch
 
     e, d, inter = (_constant(down_weight.shape_expr[i], f"down_weight dim {i}") for i in range(3))
     act = BY_ONNX[int(attribute(out_dtype))].name
-    plan = gemm_plan("down", e, d, inter, act, attribute(activation_quant), int(tactic))
-    return _moe_aot(plan, h.shape_expr[0], None)
+    launch = gemm_launch("down", e, d, inter, act, attribute(activation_quant), int(tactic))
+    return _moe_aot(launch, h.shape_expr[0], None)
 
 
 # MoeCombine
@@ -410,11 +410,11 @@ def moe_combine_impl(pair_out, topk_weights, outputs, stream):
 
 
 def moe_combine_aot_impl(pair_out, topk_weights, outputs, tactic):
-    from k2trt.runtime.trt.aot_moe import CombinePlan
+    from k2trt.runtime.trt.aot_moe import CombineLaunch
 
     d = _constant(pair_out.shape_expr[1], "pair_out dim 1")
     k = _constant(topk_weights.shape_expr[topk_weights.ndim - 1], "top-k")
-    return _moe_aot(CombinePlan(d, k, our_dtype(pair_out.dtype)), None, _rows(topk_weights))
+    return _moe_aot(CombineLaunch(d, k, our_dtype(pair_out.dtype)), None, _rows(topk_weights))
 
 
 # op_type -> (register, impl, autotune, aot_impl)

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from k2trt.errors import K2Error
-from k2trt.runtime.backends import BackendChoice
+from k2trt.runtime.backends.factory import BackendChoice
 from k2trt.tools.compare.compare import DEFAULT_TOKENS, Setup, compare
 from k2trt.tools.compare.selection import parse_layers, prompt_ids
 from k2trt.tools.compare.table import format_table

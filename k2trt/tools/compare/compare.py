@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Callable
 
 from k2trt.errors import K2Error
-from k2trt.export.block_graphs import ACTIVATIONS
-from k2trt.runtime.backends import BackendChoice, open_backend
+from k2trt.config import BLOCK_ACTIVATIONS
+from k2trt.runtime.backends.factory import BackendChoice, open_backend
 from k2trt.tools.compare.blocks import FeedTransform, block_rows
 from k2trt.tools.compare.e2e import e2e_rows
 from k2trt.tools.compare.golden import capture
@@ -47,20 +47,20 @@ class Setup:
 
 
 def check_export(setup: Setup, cfg) -> None:
-    from k2trt.export.manifest import check_matches, read_manifest
+    from k2trt.export_manifest import check_matches, read_manifest
 
     manifest = read_manifest(Path(setup.export_dir))
     check_matches(manifest, cfg, str(setup.export_dir))
     for key, entry in manifest["graphs"].items():
         acts = [i["name"] for i in entry["inputs"] if i["name"] not in entry["weights"]]
-        if acts != list(ACTIVATIONS[entry["kind"]][0]):
+        if acts != list(BLOCK_ACTIVATIONS[entry["kind"]][0]):
             raise K2Error(f"{setup.export_dir}: graph {key} has activation inputs {acts}; re-export with this version")
 
 
 def compare(setup: Setup, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
             backends: dict | None = None) -> Report:
     """Every row of the table. `backends` (name -> Backend) replaces the ones setup.backends names."""
-    from k2trt.runtime.torch_backend import TorchBackend
+    from k2trt.runtime.backends.reference import TorchBackend
 
     cfg = setup.weights.config
     check_export(setup, cfg)

@@ -3,7 +3,7 @@ first-step logits, and greedy token agreement (a divergence at a near-tie of the
 
 from __future__ import annotations
 
-from k2trt.runtime.generator import Generator
+from k2trt.runtime.generation.generator import Generator
 from k2trt.tools.compare.golden import Recorder
 from k2trt.tools.compare.judge import compare_outputs, thresholds
 from k2trt.tools.compare.table import Row

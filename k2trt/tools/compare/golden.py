@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from k2trt.export.block_graphs import ACTIVATIONS
-from k2trt.runtime.backend import BackendWrapper
-from k2trt.runtime.generator import Generator
+from k2trt.config import BLOCK_ACTIVATIONS
+from k2trt.runtime.backends.contract import BackendWrapper
+from k2trt.runtime.generation.generator import Generator
 
 
 GOLDEN_STEPS = 2  # prefill + one decode step
@@ -61,7 +61,7 @@ class Recorder(BackendWrapper):
         case = self.cases.get(key)
         if case is None or self.step >= self.steps:
             return
-        names_in, names_out = ACTIVATIONS[case.kind]
+        names_in, names_out = BLOCK_ACTIVATIONS[case.kind]
         case.feeds.append(OrderedDict((n, _np(t)) for n, t in zip(names_in, inputs)))
         case.outputs.append(OrderedDict((n, _np(t)) for n, t in zip(names_out, outputs)))
 

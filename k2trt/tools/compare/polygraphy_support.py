@@ -22,7 +22,7 @@ from polygraphy.common import TensorMetadata
 from polygraphy.datatype import DataType
 from polygraphy.logger import G_LOGGER
 
-from k2trt.export.block_graphs import ACTIVATIONS
+from k2trt.config import BLOCK_ACTIVATIONS
 
 # Plain log lines: polygraphy otherwise prints a hint about the optional `colored` package to stdout.
 G_LOGGER.colors = False
@@ -49,13 +49,13 @@ def quiet():
 
 class BackendRunner(BaseRunner):
     """One block of a runtime Backend as a polygraphy runner. Feeds are float32/int64 numpy arrays named as in
-    ACTIVATIONS; they are moved to the backend's device and activation dtype (the mask stays float32), and the
+    BLOCK_ACTIVATIONS; they are moved to the backend's device and activation dtype (the mask stays float32), and the
     outputs come back as float32 numpy."""
 
     def __init__(self, backend, kind: str, layer: int | None = None, name: str | None = None):
         super().__init__(name=name or backend.name, prefix="k2trt-backend-runner")
         self.backend, self.kind, self.layer = backend, kind, layer
-        self.inputs, self.outputs = ACTIVATIONS[kind]
+        self.inputs, self.outputs = BLOCK_ACTIVATIONS[kind]
 
     def activate_impl(self):
         pass

@@ -40,7 +40,7 @@ def parse_layers(spec: str | None, cfg) -> list[Block]:
 def prompt_ids(model_dir: Path, texts: list[str] | None, cfg) -> list[list[int]]:
     """`texts` (default DEFAULT_PROMPTS) tokenized when the checkpoint has a tokenizer; without one, fixed
     pseudo-random ids of two different lengths (so the batch is still ragged)."""
-    from k2trt.runtime import tokenizer as T
+    from k2trt.runtime.text import tokenizer as T
 
     if (Path(model_dir) / T.RANKS_FILE).exists():
         tok = T.KimiTokenizer.from_dir(model_dir)

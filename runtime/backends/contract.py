@@ -1,5 +1,5 @@
 """The two contracts of the runtime: what every backend is (ONNX Runtime, TensorRT, the torch reference), and what
-every backend reads its weights from. The runtime (runtime/executor.py) and the tools rely on these and on nothing
+every backend reads its weights from. The runtime (runtime/generation/executor.py) and the tools rely on these and on nothing
 else: no attribute is probed, no backend is recognised by its name.
 
 All tensors are torch tensors on the backend's device. `latent_cache` is a slot range of the runtime's per-layer

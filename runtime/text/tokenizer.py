@@ -20,8 +20,8 @@ import tiktoken
 
 from k2trt.errors import K2Error
 from k2trt.files import read_bounded, read_json_object, read_text
-from k2trt.runtime.chat_template import ChatTemplate
-from k2trt.runtime.messages import encode_messages
+from k2trt.runtime.text.chat_template import ChatTemplate
+from k2trt.runtime.text.messages import encode_messages
 
 NUM_RESERVED_SPECIAL = 256
 
@@ -206,13 +206,13 @@ class KimiTokenizer:
         return self._compiled_template
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """The template's text for these messages, rendered within its limits (runtime/chat_template.py)."""
+        """The template's text for these messages, rendered within its limits (runtime/text/chat_template.py)."""
         return self._template().render(messages=messages, add_generation_prompt=add_generation_prompt,
                                        **self._special_map, **kwargs)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
         """Token ids of OpenAI-style messages: the template's markers are special ids, message text is always
-        text, whatever it spells (runtime/messages.py)."""
+        text, whatever it spells (runtime/text/messages.py)."""
         return encode_messages(self, messages, add_generation_prompt, **kwargs)
 
     @functools.cached_property

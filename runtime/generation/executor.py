@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from k2trt.config import K2Config
-from k2trt.runtime.backend import Backend
-from k2trt.runtime.cache import LatentCache
-from k2trt.runtime.sampling import Sampler
-from k2trt.runtime.step import Admit, Move, Release, RopeTable, StepPlan, StepTensors, Swap, step_tensors
+from k2trt.runtime.backends.contract import Backend
+from k2trt.runtime.generation.cache import LatentCache
+from k2trt.runtime.generation.sampling import Sampler
+from k2trt.runtime.generation.step import Admit, Move, Release, RopeTable, StepPlan, StepTensors, Swap, step_tensors
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """From command-line choices to a ready checkpoint, tokenizer and backend: the one place that checks that they
-belong together. The backend itself comes from the factory (runtime/backends.py); under a pipeline
+belong together. The backend itself comes from the factory (runtime/backends/factory.py); under a pipeline
 (`--pipeline N` or torchrun) each rank binds only its stage, and every rank but 0 follows rank 0's steps."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 from k2trt.args import int_in
 from k2trt.errors import K2Error
-from k2trt.runtime.backend import Backend
-from k2trt.runtime.backends import BackendChoice, add_backend_arguments, choice_from_args, open_backend
+from k2trt.runtime.backends.contract import Backend
+from k2trt.runtime.backends.factory import BackendChoice, add_backend_arguments, choice_from_args, open_backend
 
 
 MAX_LOCAL_RANKS = 1024  # --pipeline starts this many processes on one machine, one per device
@@ -69,7 +69,7 @@ def open_model(model_dir: Path, validate: bool = True):
     against each other: a damaged checkpoint is refused before any weight is bound. A pipeline rank passes
     validate=False and checks only its own stage's tensors (runtime/distributed/session.py)."""
     from k2trt.checkpoint import Checkpoint
-    from k2trt.runtime.tokenizer import KimiTokenizer
+    from k2trt.runtime.text.tokenizer import KimiTokenizer
 
     ckpt = Checkpoint.open(model_dir)
     if validate:
@@ -126,7 +126,7 @@ def launch_if_asked(args) -> int | None:
 
 
 def make_generator(loaded: Loaded, max_context: int | None, extra_stop_ids=(), max_batch: int | None = None):
-    from k2trt.runtime.generator import Generator
+    from k2trt.runtime.generation.generator import Generator
 
     stop_ids = tuple(loaded.tokenizer.stop_ids) + tuple(extra_stop_ids)
     return Generator(loaded.backend, loaded.config, stop_ids=stop_ids, max_context=max_context,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from k2trt.runtime.step import PREFILL
+from k2trt.runtime.generation.step import PREFILL
 
 
 @dataclass

@@ -5,11 +5,11 @@ here, lazily, so a command that never touches TensorRT never imports it."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from k2trt.errors import K2Error
-from k2trt.runtime.backend import Backend, WeightSource
+from k2trt.runtime.backends.contract import Backend, WeightSource
 
 BACKENDS = ("ort", "trt", "torch")
 
@@ -30,6 +30,17 @@ class BackendChoice:
             raise K2Error("--backend ort needs --onnx DIR (run `k2trt export` first)")
         if self.name == "trt" and self.engines is None:
             raise K2Error("--backend trt needs --engines DIR (run `k2trt build` first)")
+
+    @property
+    def uses_cuda(self) -> bool:
+        """Whether it computes on a CUDA device (pipeline ranks then talk over NCCL, one device each)."""
+        return self.name == "trt"
+
+    def for_rank(self, local_rank: int, threads: int) -> "BackendChoice":
+        """The choice for one of several ranks on a machine: its own device, or its share of the cores."""
+        if self.uses_cuda:
+            return replace(self, device=local_rank)
+        return replace(self, threads=self.threads or threads)
 
 
 def add_backend_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,7 +63,7 @@ def open_backend(choice: BackendChoice, weights: WeightSource, *, activation_qua
     """The chosen backend over `weights`. activation_quant only applies to the torch reference (its FP8
     convention is a choice; the other backends compute in the convention their graphs were exported with)."""
     if choice.name == "ort":
-        from k2trt.runtime.ort_backend import OrtBackend
+        from k2trt.runtime.backends.ort import OrtBackend
 
         return OrtBackend(choice.onnx, weights, providers=list(choice.providers), threads=choice.threads)
     if choice.name == "trt":
@@ -60,6 +71,6 @@ def open_backend(choice: BackendChoice, weights: WeightSource, *, activation_qua
 
         return TrtBackend(choice.engines, weights, export_dir=choice.onnx, device=choice.device)
     from k2trt.graphs.fp8 import WEIGHT_DEQUANT
-    from k2trt.runtime.torch_backend import TorchBackend
+    from k2trt.runtime.backends.reference import TorchBackend
 
     return TorchBackend(weights, activation_quant=WEIGHT_DEQUANT if activation_quant is None else activation_quant)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import sys
 
 from k2trt.errors import K2Error
-from k2trt.runtime.cli import PrefillProgress, StreamPrinter, add_sampling_arguments, sampling_from, visible_ids
-from k2trt.runtime.loader import add_model_arguments, load, make_generator
+from k2trt.runtime.commands.generate import PrefillProgress, StreamPrinter, add_sampling_arguments, sampling_from, visible_ids
+from k2trt.runtime.commands.loader import add_model_arguments, load, make_generator
 
 
 def add_arguments(p) -> None:

@@ -8,7 +8,7 @@ import torch
 
 from k2trt.graphs.fp8 import WEIGHT_DEQUANT
 from k2trt.graphs.reference import ReferenceModel
-from k2trt.runtime.backend import BackendLimits, Progress, WeightSource, prepare_each
+from k2trt.runtime.backends.contract import BackendLimits, Progress, WeightSource, prepare_each
 
 
 class TorchBackend(ReferenceModel):

@@ -2,7 +2,7 @@
 [--max-context N] [--pipeline N]`: an OpenAI-compatible server with continuous batching (runtime/serve/app.py).
 
 The model loads as for generate (one process, or pipeline stages with rank 0 serving HTTP), the scheduler runs in
-a thread of its own (engine.py), uvicorn serves. SIGTERM or ^C stops taking requests, lets those in flight finish
+a thread of its own (serve/scheduler_thread.py), uvicorn serves. SIGTERM or ^C stops taking requests, lets those in flight finish
 for up to --shutdown-timeout seconds, cancels the rest and exits 0.
 """
 
@@ -14,7 +14,7 @@ import signal
 import sys
 
 from k2trt.errors import K2Error
-from k2trt.runtime.loader import add_model_arguments, add_pipeline_arguments, launch_if_asked, load, make_generator
+from k2trt.runtime.commands.loader import add_model_arguments, add_pipeline_arguments, launch_if_asked, load, make_generator
 
 DEFAULT_MAX_BATCH = 16
 
@@ -61,7 +61,7 @@ def serve(args, loaded) -> int:
     import uvicorn
 
     from k2trt.runtime.serve.app import ServeConfig, create_app
-    from k2trt.runtime.serve.engine import Engine
+    from k2trt.runtime.serve.scheduler_thread import SchedulerThread
 
     # the generator's scheduler, limits and stop tokens, driven by the engine's thread instead of generate()
     gen = make_generator(loaded, args.max_context, max_batch=args.max_batch)
@@ -72,7 +72,7 @@ def serve(args, loaded) -> int:
 
     server_box = []
     keepalive = min(10.0, (args.dist_timeout or DEFAULT_TIMEOUT_S) / 4)  # idle pipeline stages must hear from us
-    engine = Engine(scheduler, max_waiting=args.max_queue, keepalive_s=keepalive,
+    engine = SchedulerThread(scheduler, max_waiting=args.max_queue, keepalive_s=keepalive,
                     on_error=lambda e: server_box and setattr(server_box[0], "should_exit", True)).start()
     name = args.served_model_name or str(args.model)
     app = create_app(engine, loaded.tokenizer, ServeConfig(name, max_context, args.max_body))

@@ -23,10 +23,10 @@ from typing import Callable
 
 from k2trt.config import K2Config
 from k2trt.errors import K2Error
-from k2trt.runtime.cache import bucket
-from k2trt.runtime.sampling import SamplingParams
-from k2trt.runtime.step import DECODE, PREFILL, Admit, Move, Release, SlotOp, StepPlan, Swap
-from k2trt.runtime.timings import Timings
+from k2trt.runtime.generation.cache import bucket
+from k2trt.runtime.generation.sampling import SamplingParams
+from k2trt.runtime.generation.step import DECODE, PREFILL, Admit, Move, Release, SlotOp, StepPlan, Swap
+from k2trt.runtime.generation.timings import Timings
 
 FINISH_LENGTH, FINISH_STOP_TOKEN, FINISH_STOP_STRING, FINISH_CANCELLED = "length", "stop_token", "stop_string", \
     "cancelled"

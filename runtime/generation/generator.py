@@ -1,4 +1,4 @@
-"""Generation of a batch of prompts over any backend: the scheduler (runtime/scheduler.py) with every request
+"""Generation of a batch of prompts over any backend: the scheduler (runtime/generation/scheduler.py) with every request
 submitted at the start, run until all are done.
 
 Each sequence keeps its own positions (its first token is position 0), its own cache slot and its own seeded
@@ -14,11 +14,11 @@ import torch
 
 from k2trt.config import K2Config
 from k2trt.errors import K2Error
-from k2trt.runtime.backend import Backend
-from k2trt.runtime.executor import StageExecutor
-from k2trt.runtime.sampling import SamplingParams
-from k2trt.runtime.scheduler import DEFAULT_PREFILL_CHUNK, FINISH_LENGTH, Request, Scheduler
-from k2trt.runtime.timings import Timings, TimingProbe
+from k2trt.runtime.backends.contract import Backend
+from k2trt.runtime.generation.executor import StageExecutor
+from k2trt.runtime.generation.sampling import SamplingParams
+from k2trt.runtime.generation.scheduler import DEFAULT_PREFILL_CHUNK, FINISH_LENGTH, Request, Scheduler
+from k2trt.runtime.generation.timings import Timings, TimingProbe
 
 DEFAULT_SLOTS = 64  # sequences decoded together when the backend sets no limit
 

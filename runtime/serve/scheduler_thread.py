@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from k2trt.errors import K2Error
-from k2trt.runtime.scheduler import Request, Scheduler
+from k2trt.runtime.generation.scheduler import Request, Scheduler
 
 
 class QueueFull(K2Error):
@@ -43,7 +43,7 @@ class Handle:
         self.request.cancelled = True
 
 
-class Engine:
+class SchedulerThread:
     def __init__(self, scheduler: Scheduler, max_waiting: int = 256, idle_wait_s: float = 0.02,
                  on_error=None, keepalive_s: float = 10.0):
         self.scheduler = scheduler
@@ -62,7 +62,7 @@ class Engine:
         self.error: BaseException | None = None
 
     # ---- the handlers' side ----------------------------------------------------------------------------
-    def start(self) -> "Engine":
+    def start(self) -> "SchedulerThread":
         self._thread.start()
         return self
 

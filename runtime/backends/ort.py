@@ -16,12 +16,12 @@ from onnx import TensorProto
 
 from k2trt.dtypes import torch_dtype
 from k2trt.errors import K2Error, MissingDependency
-from k2trt.export.block_graphs import KINDS
-from k2trt.export.manifest import check_matches, graph_file, graph_path, read_manifest
+from k2trt.config import BLOCK_KINDS
+from k2trt.export_manifest import check_matches, graph_file, graph_path, read_manifest
 from k2trt.graphs.fp8 import WEIGHT_DEQUANT
 from k2trt.graphs.mask import MASK_NEG
-from k2trt.runtime.backend import BackendLimits, Progress, WeightSource, prepare_each
-from k2trt.runtime.graph_weights import graph_weights, source_names
+from k2trt.runtime.backends.contract import BackendLimits, Progress, WeightSource, prepare_each
+from k2trt.runtime.backends.graph_weights import graph_weights, source_names
 
 
 STEP_SHARED_INPUTS = ("rope_cos", "rope_sin", "attention_mask")  # one tensor each per step, fed to every block
@@ -102,7 +102,7 @@ class OrtBackend:
                                     f"(have {', '.join(ort.get_available_providers())})")
         opts = session_options(threads)
         self.sessions, self.entries = {}, {}
-        for kind in KINDS:
+        for kind in BLOCK_KINDS:
             path = graph_file(self.export_dir, self.manifest, f"ort/{kind}")
             self.entries[kind] = self.manifest["graphs"][f"ort/{kind}"]
             try:

@@ -9,10 +9,10 @@ import sys
 
 from k2trt.args import seed
 from k2trt.errors import K2Error
-from k2trt.runtime.loader import (add_model_arguments, add_pipeline_arguments, launch_if_asked, load, make_generator,
+from k2trt.runtime.commands.loader import (add_model_arguments, add_pipeline_arguments, launch_if_asked, load, make_generator,
                                   progress_line)
-from k2trt.runtime.sampling import SamplingParams
-from k2trt.runtime.text_stream import StopMatcher, TextStream, cut_at_stop
+from k2trt.runtime.generation.sampling import SamplingParams
+from k2trt.runtime.text.text_stream import StopMatcher, TextStream, cut_at_stop
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
