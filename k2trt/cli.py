@@ -59,7 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # argparse: --help (0) or a bad argument (2), its line already printed
         return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
     except KeyboardInterrupt:  # also while a subcommand's heavy imports (torch, ONNX Runtime) are loading
-        print(f"k2trt{' ' + command if command else ''}: interrupted", file=sys.stderr)
+        from k2trt.runtime.distributed.environment import under_launcher
+
+        if not under_launcher():  # a pipeline rank: its launcher says it once for every rank
+            print(f"k2trt{' ' + command if command else ''}: interrupted", file=sys.stderr)
         return 130
 
 
@@ -72,10 +75,13 @@ def _main(argv: list[str]) -> int:
     module.add_arguments(full)
     args = full.parse_args(argv[1:])
     args.argv = argv  # a command that launches pipeline ranks starts them with the same arguments
+    from k2trt.runtime.distributed.environment import LostContact, watch_launcher
+
+    watch_launcher()  # a rank our launcher started ends with it
     try:
         return int(module.run(args) or 0)
     except K2Error as e:
-        return _fail(known.command, " ".join(str(e).splitlines()))  # one line, whatever the message quotes
+        return _fail(known.command, " ".join(str(e).splitlines()), lost=isinstance(e, LostContact))
     except BrokenPipeError:  # `k2trt plan | head`: the reader left, which is not an error of ours
         return _reader_gone()
     except OSError as e:  # a path the user gave that cannot be read or written
@@ -93,12 +99,12 @@ def _reader_gone() -> int:
     return READER_GONE
 
 
-def _fail(command: str, message: str) -> int:
+def _fail(command: str, message: str, lost: bool = False) -> int:
     """One line for the user. A pipeline rank our launcher started tells the launcher instead, which prints the
-    first failure of all its ranks once."""
+    first failure of all its ranks once (`lost`: this rank only lost contact with another)."""
     from k2trt.runtime.distributed.world import report_to_launcher
 
-    if report_to_launcher(message):
+    if report_to_launcher(message, lost):
         return 2
     print(f"k2trt {command}: error: {message}", file=sys.stderr)
     return 2

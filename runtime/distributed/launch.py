@@ -4,7 +4,9 @@ This process hosts the store the ranks meet through (so it outlives them and can
 each rank as `python -m k2trt.cli <the same arguments>` with RANK / WORLD_SIZE / LOCAL_RANK set (rank 0 keeps the
 terminal; the others print nothing unless something fails), and waits. The first rank that exits non-zero ends all
 the others (SIGTERM, then SIGKILL after a grace period), and this process prints one line: which rank, and the
-reason it wrote to the store (or the signal that killed it). Across nodes, torchrun starts the same command on
+reason it wrote to the store — or, for a rank that died without one, the signal that killed it, since the others
+only lost contact with it. Ranks hold the read end of a pipe only this process writes to: if it dies, even by
+SIGKILL, they end too. ^C is reported once, by this process. Across nodes, torchrun starts the same command on
 every rank instead (docs/ARCHITECTURE.md), and the ranks meet through its store.
 """
 
@@ -18,9 +20,11 @@ import time
 from datetime import timedelta
 
 from k2trt.errors import READER_GONE, K2Error
-from k2trt.runtime.distributed.world import STORE_ENV, cpu_threads, failures, first_failure
+from k2trt.runtime.distributed.environment import LAUNCHER_FD_ENV, STORE_ENV
+from k2trt.runtime.distributed.world import causes, cpu_threads, earliest, failures
 
 GRACE_S = 5.0
+SETTLE_S = 1.0  # after the first failure: how long the other ranks may take to exit with their own reasons
 
 
 def strip_pipeline_flag(argv: list[str]) -> list[str]:
@@ -36,10 +40,10 @@ def strip_pipeline_flag(argv: list[str]) -> list[str]:
     return out
 
 
-def _rank_env(rank: int, size: int, store_port: int) -> dict:
+def _rank_env(rank: int, size: int, store_port: int, watch_fd: int) -> dict:
     env = dict(os.environ)
     env.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(size),
-               MASTER_ADDR="127.0.0.1", **{STORE_ENV: f"127.0.0.1:{store_port}"})
+               MASTER_ADDR="127.0.0.1", **{STORE_ENV: f"127.0.0.1:{store_port}", LAUNCHER_FD_ENV: str(watch_fd)})
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: loopback, whatever the hostname resolves to
     env.setdefault("OMP_NUM_THREADS", str(cpu_threads(size)))
     return env
@@ -58,6 +62,29 @@ def _end(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
+def exit_reason(code: int) -> str:
+    return f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+
+
+def first_cause(records: dict[int, str], exits: list[tuple[int, int]]) -> str:
+    """The one line for a failed pipeline, from the ranks' records and the abnormal exits this launcher saw, in
+    the order it saw them: a rank's own reason first; else a rank that died without one (SIGKILL, a crash) — the
+    others only lost contact with it; else the first rank that lost contact."""
+    found, lost = causes(records)
+    first = earliest(found)
+    if first:
+        return f"rank {first[0]}: {first[1]}"
+    silent = [(r, c) for r, c in exits if r not in records]
+    if silent:
+        r, code = silent[0]
+        return f"rank {r} {exit_reason(code)}"
+    first = earliest(lost)
+    if first:
+        return f"rank {first[0]}: {first[1]}"
+    r, code = exits[0]
+    return f"rank {r} {exit_reason(code)}"
+
+
 def run_pipeline(argv: list[str], size: int) -> int:
     """Run `k2trt <argv>` as `size` ranks on this machine; returns the exit status (raises K2Error on failure).
     SIGTERM is passed to rank 0, which ends the pipeline in order (a server stops gracefully); the exit status is
@@ -69,6 +96,10 @@ def run_pipeline(argv: list[str], size: int) -> int:
     cmd = [sys.executable, "-m", "k2trt.cli", *strip_pipeline_flag(argv)]
     procs: list[subprocess.Popen] = []
     stopping: list[float] = []  # when a stop was asked for
+    exits: list[tuple[int, int]] = []  # (rank, status) of each abnormal exit, in the order seen
+    # Only this process holds the write end: when it dies, however, every rank reads end-of-file and ends
+    # (environment.watch_launcher), so a killed launcher leaves no rank behind.
+    watch_r, watch_w = os.pipe()
 
     def forward(sig, frame):
         stopping.append(time.monotonic())
@@ -79,9 +110,12 @@ def run_pipeline(argv: list[str], size: int) -> int:
     try:
         for r in range(size):
             quiet = {} if r == 0 else {"stdout": subprocess.DEVNULL}
-            procs.append(subprocess.Popen(cmd, env=_rank_env(r, size, store.port), **quiet))
+            procs.append(subprocess.Popen(cmd, env=_rank_env(r, size, store.port, watch_r), pass_fds=(watch_r,),
+                                          **quiet))
+        os.close(watch_r)
         while True:
             codes = [p.poll() for p in procs]
+            exits += [(r, c) for r, c in enumerate(codes) if c not in (None, 0) and all(r != x for x, _ in exits)]
             if stopping:
                 if all(c is not None for c in codes):
                     return codes[0]
@@ -94,8 +128,13 @@ def run_pipeline(argv: list[str], size: int) -> int:
             else:
                 failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
                 if failed:
-                    time.sleep(0.3)  # let the others' reasons land before choosing the first
-                    break
+                    # Let the others' reasons land before choosing: ranks that found the same fault (a shard every
+                    # rank opens) exit at about the same time, and then the lowest of them is named.
+                    settle = time.monotonic() + SETTLE_S
+                    while any(p.poll() is None for p in procs) and time.monotonic() < settle:
+                        time.sleep(0.05)
+                    _end(procs)  # before the watch pipe closes: the ranks are ended, not told the launcher left
+                    raise K2Error(first_cause(failures(store, size), exits))
                 if all(c == 0 for c in codes):
                     return 0
             time.sleep(0.05)
@@ -104,13 +143,7 @@ def run_pipeline(argv: list[str], size: int) -> int:
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             time.sleep(0.05)
         _end(procs)
-        return 130
+        raise  # the ranks stay quiet about it (cli.main): the one line is this process's
     finally:
         signal.signal(signal.SIGTERM, previous)
-    _end(procs)
-    first = first_failure(failures(store, size))
-    if first:
-        raise K2Error(f"rank {first[0]}: {first[1]}")
-    r, code = failed[0]
-    why = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
-    raise K2Error(f"rank {r} {why}")
+        os.close(watch_w)

@@ -20,33 +20,42 @@ import torch
 import torch.distributed as dist
 
 from k2trt.errors import K2Error
+from k2trt.runtime.distributed.environment import (STORE_ENV, LostContact, launched,  # noqa: F401 (re-exported)
+                                                   under_launcher)
 
-STORE_ENV = "K2TRT_STORE"  # host:port of the store our launcher hosts
 DEFAULT_TIMEOUT_S = 120.0  # any one collective or transfer of a step
 LOAD_TIMEOUT_S = 24 * 3600.0  # loading a stage of the real model takes many minutes: waited on with progress
-
-
-def launched() -> bool:
-    """Whether this process is a pipeline rank: started by our launcher (even as the only stage), or one of
-    several started by torchrun."""
-    return bool(os.environ.get(STORE_ENV)) or int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def failure_key(rank: int) -> str:
     return f"k2trt/failed/{rank}"
 
 
-def failure_record(message: str) -> str:
-    return json.dumps({"at": time.time(), "message": message})
+def failure_record(message: str, lost: bool = False) -> str:
+    return json.dumps({"at": time.time(), "message": message, "lost": lost})
+
+
+def causes(records: dict[int, str]) -> tuple[dict[int, dict], dict[int, dict]]:
+    """The records split into (causes, ranks that only lost contact with another)."""
+    parsed = {r: json.loads(v) for r, v in records.items()}
+    return ({r: p for r, p in parsed.items() if not p.get("lost")},
+            {r: p for r, p in parsed.items() if p.get("lost")})
+
+
+def earliest(parsed: dict[int, dict]) -> tuple[int, str] | None:
+    """(rank, message) of the earliest record. Several ranks that found the same fault (a missing shard every rank
+    opens) write the same message: the lowest of them is named, so the same fault always names the same rank."""
+    if not parsed:
+        return None
+    r = min(parsed, key=lambda k: parsed[k]["at"])
+    message = parsed[r]["message"]
+    return min(k for k, p in parsed.items() if p["message"] == message), message
 
 
 def first_failure(records: dict[int, str]) -> tuple[int, str] | None:
-    """(rank, message) of the earliest failure: the cause; later ones are ranks that lost contact with it."""
-    if not records:
-        return None
-    parsed = {r: json.loads(v) for r, v in records.items()}
-    r = min(parsed, key=lambda k: parsed[k]["at"])
-    return r, parsed[r]["message"]
+    """(rank, message) of the failure to report: the earliest cause, else the earliest lost contact."""
+    found, lost = causes(records)
+    return earliest(found) or earliest(lost)
 
 
 def read_key(store: dist.Store, key: str) -> bytes | None:
@@ -77,15 +86,15 @@ def _launcher_store(hosted: str, size: int, timeout: timedelta) -> dist.Store:
     return dist.TCPStore(host, int(port), size, is_master=False, timeout=timeout)
 
 
-def report_to_launcher(message: str) -> bool:
-    """Write this rank's failure where our launcher reads it (before or after joining). False if not launched
-    by it (torchrun): the rank then prints its own line."""
-    hosted, rank = os.environ.get(STORE_ENV), os.environ.get("RANK")
-    if not hosted or rank is None:
+def report_to_launcher(message: str, lost: bool = False) -> bool:
+    """Write this rank's failure where our launcher reads it (before or after joining); `lost`: it only lost
+    contact with another rank. False if not launched by it (torchrun): the rank then prints its own line."""
+    if not under_launcher():
         return False
     try:
+        hosted, rank = os.environ[STORE_ENV], int(os.environ["RANK"])
         store = _launcher_store(hosted, int(os.environ.get("WORLD_SIZE", "1")), timedelta(seconds=5))
-        store.set(failure_key(int(rank)), failure_record(message))
+        store.set(failure_key(rank), failure_record(message, lost))
     except Exception:  # the launcher is gone: nobody is left to tell
         pass
     return True
@@ -118,10 +127,11 @@ class World:
     def lost_contact(self, error: Exception) -> K2Error:
         """The one line for a step that failed because another rank went away: its reason if it wrote one."""
         time.sleep(0.5)  # a failing rank writes its reason before its sockets close
-        first = first_failure(failures(self.store, self.size))
+        found, _ = causes(failures(self.store, self.size))
+        first = earliest(found)
         if first:
-            return failed_error(first)
-        return K2Error(f"lost contact with the pipeline ({str(error).splitlines()[0][:200]})")
+            return LostContact(failed_error(first))
+        return LostContact(f"lost contact with the pipeline ({str(error).splitlines()[0][:200]})")
 
     def wait_for(self, keys: list[str], timeout_s: float) -> None:
         """Wait until every key is set, watching for failures."""
