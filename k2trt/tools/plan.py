@@ -1,41 +1,73 @@
-"""`k2trt plan (--model DIR | --preset kimi-k2) --devices N --device-memory SIZE [--reserve SIZE]
-[--max-context N --max-batch B] [--stages 8,8,…] [--json]`: how a pipeline splits the model over N devices.
+"""`k2trt plan (--model DIR | --preset kimi-k2) --device-memory SIZE (--devices N [--layout pp|auto|compare] |
+[--pipeline P] [--expert-parallel E]) [--reserve SIZE] [--max-context N --max-batch B] [--stages 8,8,…] [--json]`:
+how the model splits over devices — pipeline stages, expert-parallel ranks, or both — and what a decode step of
+that layout costs by the roofline (runtime/distributed/roofline.py).
 
 Sizes are exact bytes: weights and scales from the checkpoint's safetensors headers (or the weight table for a
-preset) plus each block's latent cache at the requested context and batch, plus a reserve per device. Prints one
-table; an infeasible plan is refused (exit 1) with the smallest device count that would fit.
+preset) plus each block's latent cache at the requested context and batch, plus a reserve per device. `--layout
+compare` prints every layout of N devices side by side; `--layout auto` picks the fitting one with the shortest
+decode step. A layout that does not fit is refused (exit 2) naming the smallest one that would.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
+from k2trt.args import int_in
 from k2trt.config import K2Config
 from k2trt.errors import K2Error
-from k2trt.runtime.distributed import placement
+from k2trt.runtime.distributed import layout as L
+from k2trt.runtime.distributed import placement, roofline
+
+MAX_DEVICES = 1 << 16
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", type=Path, help="checkpoint directory (sizes from its safetensors headers)")
     src.add_argument("--preset", help="a built-in config (kimi-k2, tiny): sizes from the weight table")
-    p.add_argument("--devices", type=int, required=True, help="pipeline stages, one per device")
-    p.add_argument("--device-memory", required=True, help="memory per device, e.g. 140GiB (H200), 79.6GiB (H100)")
+    p.add_argument("--devices", type=int_in(1, MAX_DEVICES), help="devices in all (with --layout)")
+    p.add_argument("--layout", choices=("pp", "auto", "compare"), default=None,
+                   help="with --devices: pp = pipeline stages only (default); auto = the fitting layout with the "
+                        "shortest decode step; compare = every layout of N devices side by side")
+    p.add_argument("--pipeline", type=int_in(1, MAX_DEVICES), help="pipeline stages P")
+    p.add_argument("--expert-parallel", type=int_in(1, MAX_DEVICES), help="expert-parallel ranks E per stage "
+                   "(each holds 1/E of every MoE block's routed experts and the rest whole)")
+    p.add_argument("--device-memory", required=True, help="memory per device, e.g. 141GB (H200), 79.6GiB (H100)")
     p.add_argument("--reserve", default=f"{placement.DEFAULT_RESERVE // 2**30}GiB",
                    help="kept free per device for the CUDA context, TensorRT scratch, NCCL, activations "
                         "(default %(default)s)")
-    p.add_argument("--max-context", type=int, default=4096, help="positions per sequence to hold in the cache "
-                                                                "(default 4096)")
-    p.add_argument("--max-batch", type=int, default=1, help="sequences to hold in the cache (default 1)")
+    p.add_argument("--max-context", type=int_in(1, 1 << 24), default=4096,
+                   help="positions per sequence to hold in the cache (default 4096)")
+    p.add_argument("--max-batch", type=int_in(1, 1 << 20), default=1,
+                   help="sequences decoding together, over all ranks (default 1)")
     p.add_argument("--stages", help="explicit blocks per stage, e.g. 8,8,8,8,8,7,7,7 (validated the same way)")
+    g = p.add_argument_group("the roofline of a decode step")
+    g.add_argument("--hbm-bandwidth", default="4.8TB", metavar="BYTES/S",
+                   help="device memory bandwidth (default 4.8TB: NVIDIA's H200 datasheet, HBM3e)")
+    g.add_argument("--link-bandwidth", default="450GB", metavar="BYTES/S",
+                   help="one way between devices of a node (default 450GB: the H200 datasheet's NVLink 900 GB/s "
+                        "counts both ways)")
+    g.add_argument("--network-bandwidth", default="50GB", metavar="BYTES/S",
+                   help="one way per device between nodes (default 50GB: one 400 Gb/s InfiniBand NDR adapter per "
+                        "GPU, as in NVIDIA's DGX H200)")
+    g.add_argument("--node-size", type=int_in(1, 1024), default=roofline.NODE_SIZE,
+                   help="devices per node (default %(default)s, an HGX H200)")
+    g.add_argument("--all-to-all-latency", type=float, default=None, metavar="US",
+                   help="least time of one MoE block's dispatch + combine, microseconds (default: DeepEP's "
+                        "low-latency kernels for the EP size, from its V1 performance table: 191 µs at EP 8, 313 at "
+                        "EP 16, ...)")
+    g.add_argument("--hop-latency", type=float, default=roofline.HOP_LATENCY_S * 1e6, metavar="US",
+                   help="latency of one pipeline hop, microseconds (default %(default).0f: an NCCL point-to-point "
+                        "send)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
 def sized_items(args, cfg: K2Config) -> list[placement.Item]:
-    if args.max_context < 1 or args.max_batch < 1:
-        raise K2Error("--max-context and --max-batch must be >= 1")
+    """Every block's bytes, its cache for the whole batch (a layout divides it among its ranks)."""
     cache = placement.cache_bytes_per_layer(cfg, args.max_context, args.max_batch)
     if args.model is None:
         return placement.items_from_config(cfg, cache)
@@ -45,27 +77,108 @@ def sized_items(args, cfg: K2Config) -> list[placement.Item]:
     return placement.items_from_headers(cfg, ckpt.header_specs(), cache)
 
 
-def render(plan: placement.Placement, source: str) -> str:
-    rows = [("stage", "layers", "weight GB", "cache GB", "free GB")]
-    rows += [(str(s.index), s.describe(), placement.format_gb(s.weight_bytes), placement.format_gb(s.cache_bytes),
-              placement.format_gb(s.free)) for s in plan.stages]
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+def links_from(args) -> roofline.Links:
+    bw = {name: placement.parse_size(getattr(args, name.replace("-", "_")), f"--{name}")
+          for name in ("hbm-bandwidth", "link-bandwidth", "network-bandwidth")}
+    bad = [n for n, v in bw.items() if v <= 0]
+    if bad:
+        raise K2Error(f"--{bad[0]} must be more than 0 bytes per second")
+    for name in ("all_to_all_latency", "hop_latency"):
+        v = getattr(args, name)
+        if v is not None and not (math.isfinite(v) and v >= 0):
+            raise K2Error(f"--{name.replace('_', '-')} must be a finite number of microseconds >= 0, got {v}")
+    a2a = None if args.all_to_all_latency is None else args.all_to_all_latency * 1e-6
+    return roofline.Links(bw["hbm-bandwidth"], bw["link-bandwidth"], bw["network-bandwidth"], args.node_size, a2a,
+                          args.hop_latency * 1e-6)
+
+
+def chosen_layout(args, cfg: K2Config) -> L.Layout | None:
+    """The one layout asked for; None for --layout auto/compare."""
+    explicit = args.pipeline is not None or args.expert_parallel is not None
+    if explicit and args.layout is not None:
+        raise K2Error("give --layout with --devices, or --pipeline/--expert-parallel, not both")
+    if explicit:
+        lay = L.Layout(args.pipeline or 1, args.expert_parallel or 1)
+        if args.devices is not None and args.devices != lay.devices:
+            raise K2Error(f"--devices {args.devices} is not --pipeline {lay.pipeline} x --expert-parallel "
+                          f"{lay.expert_parallel} = {lay.devices}")
+        return lay
+    if args.devices is None:
+        raise K2Error("give --devices N, or --pipeline P and/or --expert-parallel E")
+    if args.layout in (None, "pp"):
+        return L.Layout(args.devices, 1)
+    if args.stages:
+        raise K2Error("--stages splits one layout's stages: give it with --pipeline, not --layout "
+                      f"{args.layout}")
+    return None
+
+
+# ---- output -----------------------------------------------------------------------------------------------------
+
+def _table(rows: list[tuple], right_from: int) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
 
     def line(r):  # names left, numbers right
-        return "  ".join(c.rjust(w) if i >= 2 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        return "  ".join(c.rjust(w) if i >= right_from else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
 
-    head = (f"{source}: {len(plan.stages)} stages, {placement.format_gb(plan.device_memory)} GB per device, "
-            f"{placement.format_gb(plan.reserve)} GB reserved; heaviest stage {placement.format_gb(plan.heaviest.bytes)} GB")
-    return "\n".join([head, "", line(rows[0]), line(["-" * w for w in widths])] + [line(r) for r in rows[1:]])
+    return [line(rows[0]), line(["-" * w for w in widths])] + [line(r) for r in rows[1:]]
 
 
-def as_json(plan: placement.Placement, source: str) -> dict:
-    return {"source": source, "devices": len(plan.stages), "device_memory": plan.device_memory,
-            "reserve": plan.reserve, "fits": plan.fits,
-            "stages": [{"stage": s.index, "layers": s.layers, "embedding": s.first, "head": s.last,
-                        "weight_bytes": s.weight_bytes, "cache_bytes": s.cache_bytes, "free_bytes": s.free}
-                       for s in plan.stages]}
+def _gb(n: int) -> str:
+    return placement.format_gb(n)
 
+
+def _ranks(stage: placement.Stage, e: int) -> str:
+    a = stage.index * e
+    return str(a) if e == 1 else f"{a}–{a + e - 1}"
+
+
+def estimate_line(est: roofline.StepEstimate) -> str:
+    return (f"decode step at batch {est.batch} (roofline): {est.step_s * 1e3:.2f} ms, {est.tokens_per_s:,.0f} tok/s; "
+            f"busiest rank reads {_gb(est.read_bytes)} GB and sends {est.link_bytes / 1e6:.1f} MB; all-to-all "
+            f"{100 * est.all_to_all_share:.0f}% of the step")
+
+
+def render(plan: L.LayoutPlan, est: roofline.StepEstimate, source: str) -> str:
+    pl, e = plan.placement, plan.layout.expert_parallel
+    rows = [("stage", "ranks", "layers", "weight GB", "of it experts", "cache GB", "free GB")]
+    rows += [(str(s.index), _ranks(s, e), s.describe(), _gb(s.weight_bytes), _gb(sum(i.expert_bytes for i in s.items)),
+              _gb(s.cache_bytes), _gb(s.free)) for s in pl.stages]
+    head = (f"{source}: {plan.layout.name} on {plan.layout.devices} devices, {_gb(pl.device_memory)} GB per device, "
+            f"{_gb(pl.reserve)} GB reserved; heaviest rank {_gb(pl.heaviest.bytes)} GB "
+            f"(sizes per rank: every rank of a stage holds the same)")
+    return "\n".join([head, ""] + _table(rows, 3) + ["", estimate_line(est)])
+
+
+def render_compare(plans: list[tuple[L.LayoutPlan, roofline.StepEstimate]], source: str, devices: int,
+                   memory: int, batch: int, context: int) -> str:
+    rows = [("layout", "fits", "heaviest rank GB", "weights GB/rank", "cache GB/rank", "read GB/step",
+             "sent MB/step", "all-to-all", "ms/step", "tok/s")]
+    for plan, est in plans:
+        h = plan.heaviest
+        rows.append((plan.layout.name, "yes" if plan.fits else "no", _gb(h.bytes), _gb(h.weight_bytes),
+                     _gb(h.cache_bytes), _gb(est.read_bytes), f"{est.link_bytes / 1e6:.1f}",
+                     f"{100 * est.all_to_all_share:.0f}%", f"{est.step_s * 1e3:.2f}", f"{est.tokens_per_s:,.0f}"))
+    head = (f"{source}: layouts of {devices} devices of {_gb(memory)} GB, batch {batch} at context {context} "
+            f"(per rank: the busiest; decode step by the roofline)")
+    return "\n".join([head, ""] + _table(rows, 1))
+
+
+def plan_json(plan: L.LayoutPlan, est: roofline.StepEstimate) -> dict:
+    pl, e = plan.placement, plan.layout.expert_parallel
+    return {"layout": plan.layout.name, "pipeline": plan.layout.pipeline, "expert_parallel": e,
+            "devices": plan.layout.devices, "device_memory": pl.device_memory, "reserve": pl.reserve,
+            "fits": plan.fits,
+            "stages": [{"stage": s.index, "ranks": list(range(s.index * e, s.index * e + e)), "layers": s.layers,
+                        "embedding": s.first, "head": s.last, "weight_bytes": s.weight_bytes,
+                        "expert_bytes": sum(i.expert_bytes for i in s.items), "cache_bytes": s.cache_bytes,
+                        "free_bytes": s.free} for s in pl.stages],
+            "decode_step": {"batch": est.batch, "seconds": est.step_s, "tokens_per_s": est.tokens_per_s,
+                            "read_bytes_per_rank": est.read_bytes, "sent_bytes_per_rank": est.link_bytes,
+                            "all_to_all_share": est.all_to_all_share}}
+
+
+# ---- the command ------------------------------------------------------------------------------------------------
 
 def run(args) -> int:
     cfg = K2Config.from_json(args.model) if args.model is not None else K2Config.preset(args.preset)
@@ -73,16 +186,61 @@ def run(args) -> int:
     reserve = placement.parse_size(args.reserve, "--reserve")
     if reserve >= memory:
         raise K2Error(f"--reserve {args.reserve} leaves nothing of --device-memory {args.device_memory}")
+    links = links_from(args)
+    lay = chosen_layout(args, cfg)
     items = sized_items(args, cfg)
-    counts = placement.parse_counts(args.stages) if args.stages else None
-    plan = placement.place_stages(items, args.devices, memory, reserve, counts)
     source = str(args.model) if args.model is not None else f"{args.preset} (preset)"
-    print(json.dumps(as_json(plan, source)) if args.json else render(plan, source))
-    if plan.fits:
+
+    def planned(layout: L.Layout, counts=None):
+        plan = L.plan_layout(cfg, items, layout, memory, reserve, args.max_context, args.max_batch, counts)
+        return plan, roofline.decode_step(cfg, plan, args.max_batch, links)
+
+    if lay is not None:
+        counts = placement.parse_counts(args.stages) if args.stages else None
+        plan, est = planned(lay, counts)
+        print(json.dumps({"source": source, **plan_json(plan, est)}) if args.json else render(plan, est, source))
+        if not plan.fits:
+            raise K2Error(refusal(cfg, items, plan, memory, reserve, args, counts is not None))
         return 0
-    over = [s for s in plan.stages if s.free < 0]
-    need = placement.smallest_fitting(items, memory, reserve, 1 if counts else args.devices + 1)
-    fix = (f"the smallest device count that fits is {need}" if need is not None
-           else "no device count fits: one block alone exceeds the device")
-    raise K2Error(f"stage {over[0].index} needs {placement.format_gb(over[0].bytes)} GB, more than the "
-                  f"{placement.format_gb(over[0].capacity)} GB a device has after the reserve; {fix}")
+    options = [planned(x) for x in L.layouts_for(cfg, args.devices)]
+    fitting = [(p, e) for p, e in options if p.fits]
+    best = min(fitting, key=lambda pe: pe[1].step_s) if fitting else None
+    if args.layout == "compare":
+        print(json.dumps({"source": source, "layouts": [plan_json(p, e) for p, e in options],
+                          "best": best[0].layout.name if best else None}) if args.json else
+              render_compare(options, source, args.devices, memory, args.max_batch, args.max_context)
+              + ("" if best is None else f"\n\nshortest decode step that fits: {best[0].layout.name}"))
+    elif best is not None:  # auto
+        plan, est = best
+        print(json.dumps({"source": source, **plan_json(plan, est)}) if args.json else
+              render(plan, est, source) + f"\n(chosen by --layout auto among {len(options)} layouts of "
+                                          f"{args.devices} devices)")
+    if best is None:
+        raise K2Error(f"no layout of {args.devices} devices fits; {smallest_any(cfg, items, memory, reserve, args)}")
+    return 0
+
+
+def refusal(cfg, items, plan: L.LayoutPlan, memory: int, reserve: int, args, explicit_counts: bool) -> str:
+    over = [s for s in plan.placement.stages if s.free < 0]
+    e = plan.layout.expert_parallel
+    start = 1 if explicit_counts else plan.layout.pipeline + 1
+    need = L.smallest_pipeline(cfg, items, e, memory, reserve, args.max_context, args.max_batch, start)
+    if need is None:
+        fix = "no stage count fits: one block alone exceeds the device"
+    elif e == 1:
+        fix = f"the smallest device count that fits is {need}"
+    else:
+        fix = f"the smallest that fits with --expert-parallel {e} is --pipeline {need} ({need * e} devices)"
+    return (f"stage {over[0].index} needs {_gb(over[0].bytes)} GB per rank, more than the "
+            f"{_gb(over[0].capacity)} GB a device has after the reserve; {fix}")
+
+
+def smallest_any(cfg, items, memory: int, reserve: int, args) -> str:
+    """The fewest devices, above those asked for, with a layout that fits."""
+    for n in range(args.devices + 1, MAX_DEVICES):
+        for lay in L.layouts_for(cfg, n):
+            if L.plan_layout(cfg, items, lay, memory, reserve, args.max_context, args.max_batch).fits:
+                return f"the smallest device count with a layout that fits is {n} ({lay.name})"
+        if n > cfg.num_hidden_layers * cfg.n_routed_experts:
+            break
+    return "no device count fits"

@@ -43,55 +43,70 @@ class Item:
     """One block, with the embedding (first block) or the head (last block) counted in."""
 
     layer: int
-    weight_bytes: int  # the block's own weights and scales
+    weight_bytes: int  # the block's own weights and scales (its routed experts included)
     extra_bytes: int  # the embedding (first block) or final norm + lm_head (last block)
     cache_bytes: int
+    expert_bytes: int = 0  # the part of weight_bytes that is routed experts (an expert-parallel rank holds 1/E)
 
     @property
     def bytes(self) -> int:
         return self.weight_bytes + self.extra_bytes + self.cache_bytes
 
 
+ROUTED_EXPERTS = ".mlp.experts."  # in a tensor's name: one of a MoE layer's routed experts
+
+
 def _spec_bytes(specs) -> int:
     return sum(s.numel * torch_dtype(s.dtype).itemsize for s in specs)
 
 
-def _items(per_layer: list[int], embedding: int, head: int, cache_per_layer: int) -> list[Item]:
+def _items(per_layer: list[int], experts: list[int], embedding: int, head: int, cache_per_layer: int) -> list[Item]:
     last = len(per_layer) - 1
-    return [Item(i, b, (embedding if i == 0 else 0) + (head if i == last else 0), cache_per_layer)
-            for i, b in enumerate(per_layer)]
+    return [Item(i, b, (embedding if i == 0 else 0) + (head if i == last else 0), cache_per_layer, e)
+            for i, (b, e) in enumerate(zip(per_layer, experts))]
 
 
 def items_from_config(cfg: K2Config, cache_per_layer: int) -> list[Item]:
     """Block sizes from the weight table (a preset)."""
     embed, norm, head = global_specs(cfg)
     kinds = {cfg.layer_kind(i): i for i in range(cfg.num_hidden_layers)}
-    per_kind = {k: _spec_bytes(layer_specs(cfg, i)) for k, i in kinds.items()}
-    return _items([per_kind[cfg.layer_kind(i)] for i in range(cfg.num_hidden_layers)], _spec_bytes([embed]),
+    specs = {k: layer_specs(cfg, i) for k, i in kinds.items()}
+    per_kind = {k: _spec_bytes(v) for k, v in specs.items()}
+    experts = {k: _spec_bytes(x for x in v if x.name.startswith(ROUTED_EXPERTS[1:])) for k, v in specs.items()}
+    kinds_in_order = [cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)]
+    return _items([per_kind[k] for k in kinds_in_order], [experts[k] for k in kinds_in_order], _spec_bytes([embed]),
                   _spec_bytes([norm, head]), cache_per_layer)
 
 
-def load_sizes(cfg: K2Config, header_specs: dict) -> dict:
+def _header_bytes(h) -> int:
+    n = torch_dtype(h.dtype).itemsize
+    for d in h.shape:
+        n *= d
+    return n
+
+
+def load_sizes(cfg: K2Config, header_specs: dict, only=lambda name: True) -> dict:
     """Bytes on disk of what Backend.prepare binds: "embedding", each layer index, "head" (final norm + lm_head),
-    from a checkpoint's safetensors headers (name -> (dtype, shape, shard))."""
+    from a checkpoint's safetensors headers (name -> (dtype, shape, shard)); only the tensors `only` accepts."""
     sizes: dict = {"embedding": 0, "head": 0, **{i: 0 for i in range(cfg.num_hidden_layers)}}
     for name, h in header_specs.items():
-        n = torch_dtype(h.dtype).itemsize
-        for d in h.shape:
-            n *= d
+        if not only(name):
+            continue
         if name.startswith("model.layers."):
             layer = int(name.split(".")[2])
             if layer < cfg.num_hidden_layers:  # multi-token-prediction layers past the last are not loaded
-                sizes[layer] += n
+                sizes[layer] += _header_bytes(h)
         else:
-            sizes["embedding" if name == "model.embed_tokens.weight" else "head"] += n
+            sizes["embedding" if name == "model.embed_tokens.weight" else "head"] += _header_bytes(h)
     return sizes
 
 
 def items_from_headers(cfg: K2Config, header_specs: dict, cache_per_layer: int) -> list[Item]:
     """Block sizes from a checkpoint's headers: the bytes on disk."""
     sizes = load_sizes(cfg, header_specs)
-    return _items([sizes[i] for i in range(cfg.num_hidden_layers)], sizes["embedding"], sizes["head"],
+    experts = load_sizes(cfg, header_specs, lambda name: ROUTED_EXPERTS in name)
+    layers = range(cfg.num_hidden_layers)
+    return _items([sizes[i] for i in layers], [experts[i] for i in layers], sizes["embedding"], sizes["head"],
                   cache_per_layer)
 
 
