@@ -93,10 +93,15 @@ def _environment(state: dict) -> str:
 
     env = environment.current_environment()
     state["env"] = env
+    refused = environment.check_tensorrt(env["tensorrt_version"], env["tensorrt_cuda"],
+                                         environment.driver_cuda_version())
+    if refused:
+        raise K2Error(refused)
     target = build.configure_aot_target(env) if state["plugins"] == "aot" else None
     ptx = "" if target is None or target.ptx_version is None else \
         f", AOT kernels as PTX {environment.ptx_text(target.ptx_version)}"
-    return (f"TensorRT {env['tensorrt_version']}; {env['gpu_name']} (sm {env['compute_capability']}); "
+    wheel = "" if env["tensorrt_cuda"] is None else f" (tensorrt-cu{env['tensorrt_cuda']})"
+    return (f"TensorRT {env['tensorrt_version']}{wheel}; {env['gpu_name']} (sm {env['compute_capability']}); "
             f"driver CUDA {env['cuda_driver']}{ptx}; torch {torch.__version__} (CUDA {torch.version.cuda}); "
             f"Triton {triton.__version__}")
 
