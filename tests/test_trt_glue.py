@@ -231,6 +231,43 @@ def test_ptx_version_follows_the_driver_and_ptxas():
     assert E.ptx_version_for(None, None) is None
 
 
+def test_ptx_is_capped_by_the_tensorrt_wheels_cuda_and_versions_are_checked():
+    from k2trt.runtime.trt import environment as E
+
+    # a cu12 TensorRT on a CUDA 13 driver: PTX 8.8 (the newest CUDA 12.x's), not the driver's 9.0
+    assert E.ptx_version_for((13, 0), 94, wheel_cuda=12) == 88
+    assert E.ptx_version_for((13, 0), 94, wheel_cuda=13) == 90
+    assert E.ptx_version_for((12, 4), 94, wheel_cuda=12) == 84
+    assert E.check_tensorrt("10.16.1", 12, (13, 0)) is None and E.check_tensorrt("11.4.0.106", 13, (13, 1)) is None
+    assert "outside what k2trt supports (>= 10.15, < 12)" in E.check_tensorrt("10.14.1", 12, (12, 9))
+    assert "outside" in E.check_tensorrt("12.0.0", 13, (13, 0))
+    assert "built for CUDA 13 (tensorrt-cu13) but the driver is CUDA 12.8" in E.check_tensorrt("11.1.0", 13, (12, 8))
+
+
+def test_tensorrt_wheel_cuda_from_the_distribution_name(monkeypatch):
+    from importlib import metadata
+
+    from k2trt.runtime.trt import environment as E
+
+    def dists(*names):
+        return lambda: [argparse.Namespace(metadata={"Name": n}) for n in names]
+
+    monkeypatch.setattr(metadata, "distributions", dists("numpy", "tensorrt_cu13_bindings", "tensorrt"))
+    assert E.tensorrt_wheel_cuda() == 13
+    monkeypatch.setattr(metadata, "distributions", dists("tensorrt-cu12"))
+    assert E.tensorrt_wheel_cuda() == 12
+    monkeypatch.setattr(metadata, "distributions", dists("tensorrt", "tensorrt-lean"))
+    assert E.tensorrt_wheel_cuda() is None
+
+
+def test_timing_caches_are_per_activation_dtype_and_mode(tmp_path):
+    from pathlib import Path
+
+    assert B.timing_cache_file(Path("c/tc.bin"), "bfloat16", 1) == Path("c/tc.bfloat16-w8a8.bin")
+    assert B.timing_cache_file(Path("tc"), "bfloat16", 0) == Path("tc.bfloat16-w8a16")
+    assert B.timing_cache_file(Path("tc"), "float32", 0) != B.timing_cache_file(Path("tc"), "float16", 0)
+
+
 # ---- plugins ↔ contracts ↔ exported nodes ---------------------------------------------------------------------
 
 def test_every_tensorrt_node_is_a_plugin_with_both_implementations():
@@ -621,38 +658,67 @@ def test_every_aot_kernel_matches_its_reference(standin, monkeypatch, tmp_path, 
         assert len(results) == len(plugins.plugin_specs()[case.op_type].tactics or [0])
 
 
+def _graph_on_standin(standin, compiled, tmp_path, model, sizes=None) -> int:
+    """Every plugin node of a TensorRT-bound graph as TensorRT's builder drives it: parsed with aot=1, types and
+    shapes inferred, every tactic's launch asked for (each a real sm_90 compile within 48 KiB); -> launches."""
+    from k2trt.runtime.trt import aot
+
+    sizes = sizes or {"B": 2, "T": 3}
+    types = value_types(model)
+    asked = 0
+    for i, node in enumerate(_plugin_nodes(model)):
+        one = onnx.helper.make_model(onnx.helper.make_graph([node], "g", [], []))
+        plugin = _aot_plugin(standin, one, tmp_path, f"node{i}")
+        descs = []
+        for v in node.input:  # named dims dynamic, dims shape inference lost taken as 6
+            shape = [S.dim(d, False) if isinstance(d, int) else
+                     S.dim(6 if d.startswith("unk") else eval_dim(d, sizes), True) for d in dims(types[v])]
+            descs.append(S.TensorDesc(shape, getattr(S.DataType, plugins.trt_type_name(
+                BY_ONNX[types[v].elem_type].name))))
+        out_types = plugin.output_types([d.dtype for d in descs], [d.ndim for d in descs])
+        plugin.output_shapes(descs)
+        assert out_types == [getattr(S.DataType, plugins.trt_type_name(BY_ONNX[types[v].elem_type].name))
+                             for v in node.output], node.name
+        for tactic in plugin.tactics_for(tuple(d.dtype for d in descs) + tuple(out_types)):
+            params = plugin.launch(tactic)
+            assert params["name"] in compiled and params["shared_mem"] <= aot.AOT_SHARED_LIMIT, node.name
+            asked += 1
+    return asked
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("act, aq", [(a, q) for a in contracts.ACTIVATION_DTYPES for q in (1, 0)])
 def test_doctor_block_engines_build_on_the_standin(standin, monkeypatch, tmp_path, aot_compiled, act, aq):
-    """k2trt doctor step 4 as TensorRT's builder would drive it (every dtype and mode; doctor's own is float32
-    W8A16): every plugin node of the tiny model's TensorRT-bound graphs parsed with aot=1, its shapes and types
-    inferred, and every tactic's launch asked for — each a real sm_90 compile within 48 KiB."""
+    """k2trt doctor step 4 (the tiny model's engines; doctor's own are float32 W8A16), every dtype and mode:
+    every plugin node of the TensorRT-bound graphs through the stand-in with the real compiled launches."""
     plugins.register_plugins()
     compiled = _real_compiles(monkeypatch, aot_compiled)
-    sizes = {"B": 2, "T": 3}
-    asked = 0
-    for kind in ("dense_block", "moe_block"):
-        model = _trt_graph(kind, act, aq)
-        types = value_types(model)
-        for i, node in enumerate(_plugin_nodes(model)):
-            one = onnx.helper.make_model(onnx.helper.make_graph([node], "g", [], []))
-            plugin = _aot_plugin(standin, one, tmp_path, f"{kind}{i}")
-            descs = []
-            for v in node.input:  # named dims dynamic (B=2, T=3), dims shape inference lost taken as 6
-                shape = [S.dim(d, False) if isinstance(d, int) else
-                         S.dim(6 if d.startswith("unk") else eval_dim(d, sizes), True) for d in dims(types[v])]
-                trt_type = getattr(S.DataType, plugins.trt_type_name(BY_ONNX[types[v].elem_type].name))
-                descs.append(S.TensorDesc(shape, trt_type))
-            out_types = plugin.output_types([d.dtype for d in descs], [d.ndim for d in descs])
-            plugin.output_shapes(descs)
-            want = [getattr(S.DataType, plugins.trt_type_name(BY_ONNX[types[v].elem_type].name))
-                    for v in node.output]
-            assert out_types == want, node.name
-            for tactic in plugin.tactics_for(tuple(d.dtype for d in descs) + tuple(out_types)):
-                params = plugin.launch(tactic)
-                assert params["name"] in compiled and params["shared_mem"] <= 48 * 1024, node.name
-                asked += 1
+    asked = sum(_graph_on_standin(standin, compiled, tmp_path, _trt_graph(kind, act, aq))
+                for kind in ("dense_block", "moe_block"))
     assert asked >= 2 * 3 + 4  # the linears' and GEMMs' tactics, align and combine
+
+
+@pytest.mark.slow
+def test_k2_size_expert_weights_and_their_fallback_on_the_standin(standin, monkeypatch, tmp_path, aot_compiled):
+    """doctor's K2-size case — one MoeGateUp whose expert weights are 384 x 2048 x 7168, 5.6e9 elements, over 2^31 —
+    and the fallback's (one range of 128 experts, 1.9e9) parse, infer their shapes and get every tactic's launch;
+    whether TensorRT binds a plugin input that large is what only a GPU machine shows. The K2 MoE block in three
+    expert ranges (export --expert-ranges 3) goes through the stand-in whole."""
+    from k2trt.export.split_moe import split_moe
+    from k2trt.tools.plugin_cases import K2_EXPERTS, K2_RANGE, large_case
+
+    plugins.register_plugins()
+    compiled = _real_compiles(monkeypatch, aot_compiled)
+    for experts in (K2_EXPERTS, K2_RANGE):
+        case = large_case(experts)
+        assert (case.elements > 2**31 - 1) == (experts == K2_EXPERTS)
+        results = _emulate(standin, compiled, tmp_path, case.node_case(case.shape_inputs()), run=False)
+        assert sorted(results) == [1, 2, 3]
+    k2 = K2Config.preset("kimi-k2")
+    for aq in (1, 0):
+        model = split_moe(build_block_graph(k2, "moe_block", "bfloat16", aq), expert_ranges=3)
+        linears = sum(n.op_type == "Fp8BlockLinear" for n in model.graph.node)
+        assert _graph_on_standin(standin, compiled, tmp_path, model) == 3 * (1 + 3 + 3 + 1) + 3 * linears
 
 
 def test_aot_linear_kernel_is_the_runtime_kernel():
@@ -686,6 +752,12 @@ def test_aot_plan_checks():
         A.linear_launch("bfloat16", 256, 256, 1, 9)
     with pytest.raises(ValueError, match="unknown tactic"):
         AM.gemm_launch("down", 4, 256, 128, "bfloat16", 1, 0)
+    # W8A8 quantizes x and h per 128 channels and re-quantizes h per 128-wide tile: whole groups only
+    with pytest.raises(ValueError, match="gate_up W8A8 needs I a multiple of 128, got 200"):
+        AM.gemm_launch("gate_up", 4, 200, 256, "bfloat16", 1, 1)
+    with pytest.raises(ValueError, match="down W8A8 needs I a multiple of 128, got 200"):
+        AM.gemm_launch("down", 4, 256, 200, "bfloat16", 1, 1)
+    assert AM.gemm_launch("gate_up", 4, 200, 200, "bfloat16", 0, 1).out_cols == 200  # W8A16: any size
     launch = A.linear_launch("bfloat16", 7168, 2048, 1, 3)
     assert launch.grid_x(300) == 3 * 56
     assert launch.shrink().num_stages == launch.num_stages - 1
@@ -862,6 +934,116 @@ def test_plugins_and_backend_without_tensorrt(tmp_path):
 
 
 # ---- backend pieces that need no GPU ---------------------------------------------------------------------------
+
+class _Ptr:
+    """A tensor as Context.bind sees one: its address, dtype and shape."""
+
+    def __init__(self, ptr, shape=(2,), dtype=torch.float32):
+        self.ptr, self.shape, self.dtype = ptr, shape, dtype
+
+    def data_ptr(self):
+        return self.ptr
+
+
+class _RecordingContext:
+    """An execution context whose calls return what TensorRT's would (True, or False for a refusal)."""
+
+    def __init__(self, refuse=()):
+        self.refuse, self.calls = set(refuse), []
+
+    def _call(self, what, *args):
+        self.calls.append((what, *args))
+        return what not in self.refuse
+
+    def set_optimization_profile_async(self, p, stream):
+        return self._call("profile", p)
+
+    def set_input_shape(self, name, shape):
+        return self._call("shape", name)
+
+    def set_tensor_address(self, name, ptr):
+        return self._call("address", name, ptr)
+
+    def get_tensor_shape(self, name):
+        return (2,)
+
+
+def test_context_checks_every_binding_and_its_alignment():
+    from k2trt.runtime.trt.backend import TENSOR_ALIGNMENT, Context
+
+    entry = {"kind": "moe_block"}
+    stream = argparse.Namespace(cuda_stream=0)
+    dtypes = {"x": torch.float32}
+    ok = _RecordingContext()
+    Context(ok, entry, dtypes).bind(1, {"x": _Ptr(4096)}, {"w": _Ptr(8192)}, {"y": _Ptr(512)}, stream)
+    assert [c[0] for c in ok.calls] == ["profile", "shape", "address", "address", "address"]
+    for refused, message in (("profile", "optimization profile 1"), ("shape", r"shape \(2,\) for x"),
+                             ("address", "the address of x")):
+        with pytest.raises(K2Error, match=f"TensorRT refused {message}"):
+            Context(_RecordingContext([refused]), entry, dtypes).bind(1, {"x": _Ptr(4096)}, {}, {}, stream)
+    with pytest.raises(K2Error, match=f"128 bytes past a {TENSOR_ALIGNMENT}-byte boundary"):
+        Context(_RecordingContext(), entry, dtypes).bind(2, {"x": _Ptr(4096 + 128)}, {}, {}, stream)
+
+
+def test_odd_max_seq_gives_aligned_cache_slots():
+    """--max-seq 4095: the runtime's capacity is rounded to 4096 (cache.bucket, steps of 16 positions), the engines'
+    P range reaches it, and every slot view of a K2-wide bf16 latent cache starts 256-byte aligned; an unrounded
+    4095 would put odd slots 128 bytes off (4095 x 576 x 2 = 128 mod 256)."""
+    from k2trt.runtime.backends.contract import CAPACITY_MULTIPLE
+    from k2trt.runtime.generation.cache import LatentCache, bucket
+
+    spec = ProfileSpec(max_seq=4095, opt_seq=1024)
+    assert spec.max_capacity == 4096 and spec.dim_ranges("decode")["P"] == (1, 1024, 4096)
+    check_call_shape(spec, 1, 1, 4096)
+    with pytest.raises(K2Error, match="--max-seq 4095"):
+        check_call_shape(spec, 1, 1, 4112)
+    for needed in (1, 17, 3000, 4090, 4095):
+        capacity = bucket(needed, 4095)
+        assert capacity % CAPACITY_MULTIPLE == 0 and needed <= capacity <= spec.max_capacity
+    assert bucket(3, 8, minimum=1) == 4  # slot counts keep their own steps
+    cache = LatentCache([0], 576, torch.bfloat16)
+    cache.resize(3, bucket(4095, 4095))
+    base = cache.tensors[0].data_ptr()
+    for first in range(3):
+        assert (cache.view(0, first, 1).data_ptr() - base) % 256 == 0
+    assert (4095 * 576 * 2) % 256 == 128
+
+
+def test_cuda_graph_capture_failure_falls_back_with_one_warning(monkeypatch):
+    """A capture that fails (TensorRT's enqueue returns False while capturing, as sampleInference.cpp allows) turns
+    CUDA graphs off for the rest of the run with one warning line; every later decode block runs plainly."""
+    import contextlib
+
+    from k2trt.runtime.trt import backend as TB
+
+    class Stream:
+        def synchronize(self):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    be = argparse.Namespace(stream=Stream(), device="cpu")
+    warned = []
+    graphs = TB.DecodeGraphs(be, warn=warned.append)
+
+    def reset(b, p):
+        graphs.key, graphs.static = (b, p), {"hidden_states": torch.zeros(b, 1, 4)}
+
+    def capture(layer, kind, cache, weights):
+        raise K2Error("moe_block: TensorRT failed to enqueue the engine (see its log above)\nmore")
+
+    monkeypatch.setattr(graphs, "_reset", reset)
+    monkeypatch.setattr(graphs, "_capture", capture)
+    inputs = {"hidden_states": torch.ones(2, 1, 4), "latent_cache": torch.zeros(2, 16, 8)}
+    assert graphs.run(0, "moe_block", inputs, {}) is None
+    assert graphs.run(1, "moe_block", inputs, {}) is None  # off: no second capture, no second warning
+    assert warned == ["TensorRT: CUDA graph capture failed (moe_block: TensorRT failed to enqueue the engine (see "
+                      "its log above)); decode runs without CUDA graphs"]
+    assert graphs.memory_bytes == 0
+
 
 def test_output_shapes_and_weight_upload(exported):
     from k2trt.tools.synthetic import RandomWeights

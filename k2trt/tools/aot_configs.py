@@ -2,7 +2,8 @@
 architecture, on a CPU (Triton's compiler and its bundled ptxas; no GPU, no TensorRT).
 
 The launches are those of the plugin nodes in the TensorRT-bound graphs (every node kind, every activation dtype,
-both FP8 modes, the tiny and K2 configs, every tactic) and of `k2trt doctor`'s one-node cases, each made by the
+both FP8 modes, the tiny and K2 configs — K2 also in expert ranges —, every tactic) and of `k2trt doctor`'s
+one-node cases, each made by the
 plugins' own table (runtime/trt/aot_nodes.py). Launches that compile to the same code (aot.config_key) are
 compiled once. For each: the configuration compile_launch settles on (it shrinks until the shared memory fits
 aot.AOT_SHARED_LIMIT), its shared memory, and ptxas' registers and spills, which must fit the register file with
@@ -51,8 +52,9 @@ def node_requests(source: str, op_type: str, act: str | None, aq: int, sizes: di
     return [Request(source, op_type, t, row.launch(act, aq, t, sizes)) for t in row.every_tactic()]
 
 
-def graph_requests(cfg_name: str, act: str, aq: int) -> list[Request]:
-    """Every launch of every plugin node in a config's TensorRT-bound graphs (export/split_moe form)."""
+def graph_requests(cfg_name: str, act: str, aq: int, expert_ranges: int = 1) -> list[Request]:
+    """Every launch of every plugin node in a config's TensorRT-bound graphs (export/split_moe form, with its
+    routed experts in `expert_ranges` ranges)."""
     import onnx
 
     from k2trt.dtypes import BY_ONNX
@@ -64,8 +66,9 @@ def graph_requests(cfg_name: str, act: str, aq: int) -> list[Request]:
 
     cfg = K2Config.preset(cfg_name)
     out = []
-    for kind in ("dense_block", "moe_block"):  # the embedding and the head hold no plugin node
-        model = split_moe(build_block_graph(cfg, kind, act, aq))
+    source = cfg_name + ("" if expert_ranges == 1 else f" in {expert_ranges} expert ranges")
+    for kind in ("dense_block", "moe_block") if expert_ranges == 1 else ("moe_block",):  # no plugin elsewhere
+        model = split_moe(build_block_graph(cfg, kind, act, aq), expert_ranges)
         types = value_types(model)
         for node in model.graph.node:
             if node.domain != contracts.NAMESPACE:
@@ -76,7 +79,7 @@ def graph_requests(cfg_name: str, act: str, aq: int) -> list[Request]:
             sizes = AOT_NODES[node.op_type].sizes_of(lambda i, axis: shapes[i][axis], attrs.__getitem__)
             node_act = check_input_dtypes(node.op_type, [BY_ONNX[types[v].elem_type].name for v in node.input],
                                           attrs)
-            out += node_requests(f"{cfg_name} {kind}", node.op_type, node_act, aq, sizes)
+            out += node_requests(f"{source} {kind}", node.op_type, node_act, aq, sizes)
     return out
 
 
@@ -101,12 +104,19 @@ def case_sizes(case) -> dict:
     return AOT_NODES[case.op_type].sizes_of(lambda i, axis: int(case.inputs[i].shape[axis]), case.attrs.__getitem__)
 
 
+# K2's fallback for a TensorRT that refuses plugin inputs over 2^31 elements (export --expert-ranges 3); doctor's
+# K2-size cases (plugin_cases.large_case: 384 experts and one range of 128) have these graphs' sizes
+RANGED = {"kimi-k2": 3}
+
+
 def all_requests(configs=CONFIGS, dtypes=contracts.ACTIVATION_DTYPES, modes=MODES, cases: bool = True):
     out = []
     for act in dtypes:
         for aq in modes:
             for name in configs:
                 out += graph_requests(name, act, aq)
+                if name in RANGED:
+                    out += graph_requests(name, act, aq, RANGED[name])
             if cases:
                 out += case_requests(act, aq)
     return out
