@@ -198,6 +198,11 @@ def _large_inputs(state: dict) -> str:
 
     def attempt(num_experts: int) -> str | None:
         case = large_case(num_experts)
+        need = 2 * case.elements + (1 << 30)  # the gate and up weights, fp8, and room for TensorRT
+        free = torch.cuda.mem_get_info()[0]
+        if free < need:
+            raise K2Error(f"needs {need / 2**30:.1f} GiB of free GPU memory for {case.label}, "
+                          f"this GPU has {free / 2**30:.1f} GiB free")
         logger = first_error_logger(trt)
         weights = case.device_inputs("cuda")
         try:
