@@ -12,6 +12,12 @@ TORCH   ?= torch==2.13.0
 TORCH_INDEX ?=
 # serve: fastapi + uvicorn; bench: transformers, the second baseline of `make bench` (and its tests)
 EXTRAS  ?= cpu,serve,dev,bench
+# EXTRAS=gpu installs the TensorRT wheel built for this driver's CUDA: gpu-cu13 on a CUDA 13 driver, else gpu-cu12
+# (a cu13 TensorRT does not load on a CUDA 12 driver). Name gpu-cu12 / gpu-cu13 to choose yourself.
+comma   := ,
+empty   :=
+space   := $(empty) $(empty)
+EXTRAS_FOR_DRIVER = $(subst $(space),$(comma),$(strip $(foreach e,$(subst $(comma), ,$(EXTRAS)),$(if $(filter gpu,$(e)),gpu-$(shell python3 k2trt/tools/driver_cuda.py),$(e)))))
 # make generate PIPELINE=2: the same generation as pipeline stages, one process each
 PIPELINE ?=
 PIPE    := $(if $(PIPELINE),--pipeline $(PIPELINE))
@@ -24,7 +30,7 @@ install: .venv/.installed
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip setuptools
 	$(PY) -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	$(PY) -m pip install -q -e ".[$(EXTRAS_FOR_DRIVER)]"
 	touch $@
 
 test: install

@@ -24,6 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="activation dtype of the graphs (float32 for CPU; bfloat16 for TensorRT on a GPU)")
     p.add_argument("--activation-quant", choices=list(ACT_QUANT), default="w8a8",
                    help="FP8 mode of the TensorRT-bound graphs' custom nodes (default w8a8, as vLLM/SGLang serve)")
+    p.add_argument("--expert-ranges", type=int, default=1, metavar="N",
+                   help="split the TensorRT form's routed experts into N ranges of weight inputs, each under 2^31 "
+                        "elements (K2: 3), for a TensorRT that refuses larger plugin inputs (k2trt doctor says)")
     p.add_argument("--graphs-only", action="store_true",
                    help="do not validate the checkpoint's tensors against the config (graphs never hold weights)")
     p.add_argument("--force", action="store_true", help="re-export even if the graphs are up to date")
@@ -38,5 +41,6 @@ def run(args) -> int:
             Checkpoint.open(args.model).validate()
     else:
         cfg = K2Config.preset(args.preset)
-    export(cfg, args.out, args.dtype, ACT_QUANT[args.activation_quant], force=args.force)
+    export(cfg, args.out, args.dtype, ACT_QUANT[args.activation_quant], force=args.force,
+           expert_ranges=args.expert_ranges)
     return 0

@@ -19,10 +19,12 @@ from k2trt.export.split_moe import split_moe
 from k2trt.graphs.fp8 import PER_TOKEN_GROUP, WEIGHT_DEQUANT
 
 
-def export_kind(cfg: K2Config, out: Path, kind: str, act_dtype: str, activation_quant: int) -> dict[str, dict]:
+def export_kind(cfg: K2Config, out: Path, kind: str, act_dtype: str, activation_quant: int,
+                expert_ranges: int = 1) -> dict[str, dict]:
     """Both forms of one block kind, checked and written; -> {manifest key: graph entry}."""
     recorded = build_block_graph(cfg, kind, act_dtype, activation_quant)
-    trt_model = split_moe(recorded)  # one plugin per kernel: every node has an AOT implementation
+    # one plugin per kernel (every node has an AOT implementation); expert ranges: export/split_moe.py
+    trt_model = split_moe(recorded, expert_ranges)
     check_onnx(trt_model, f"trt/{kind}")
     check_trt_operators(trt_model, f"trt/{kind}")
     ort_model = lower_for_ort(recorded, act_dtype)
@@ -38,18 +40,22 @@ def export_kind(cfg: K2Config, out: Path, kind: str, act_dtype: str, activation_
 
 
 def export(cfg: K2Config, out: Path, act_dtype: str = "float32", activation_quant: int = PER_TOKEN_GROUP,
-           force: bool = False, log=print) -> dict:
+           force: bool = False, log=print, expert_ranges: int = 1) -> dict:
     """Write trt/<kind>.onnx, ort/<kind>.onnx and manifest.json under `out`; returns the manifest. Kinds whose
-    graphs are up to date (same config, dtype, mode and exporter code) are kept."""
+    graphs are up to date (same config, dtype, mode, expert ranges and exporter code) are kept. expert_ranges > 1:
+    the TensorRT form's routed experts in that many ranges of weight inputs (export/split_moe.py)."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise K2Error(f"--out {out} exists and is not a directory")
     with writing(out, "k2trt export"):  # one export at a time into a directory; a killed one's temporaries go
-        return _export(cfg, out, act_dtype, activation_quant, force, log)
+        return _export(cfg, out, act_dtype, activation_quant, force, log, expert_ranges)
 
 
-def _export(cfg: K2Config, out: Path, act_dtype: str, activation_quant: int, force: bool, log) -> dict:
-    previous = M.load_if_current(out, cfg, act_dtype, activation_quant)
+def _export(cfg: K2Config, out: Path, act_dtype: str, activation_quant: int, force: bool, log,
+            expert_ranges: int = 1) -> dict:
+    if not 1 <= expert_ranges <= cfg.n_routed_experts:
+        raise K2Error(f"--expert-ranges must be 1..{cfg.n_routed_experts}, got {expert_ranges}")
+    previous = M.load_if_current(out, cfg, act_dtype, activation_quant, expert_ranges)
     graphs: dict[str, dict] = {}
     t_all = time.perf_counter()
     for i, kind in enumerate(BLOCK_KINDS, 1):
@@ -59,12 +65,12 @@ def _export(cfg: K2Config, out: Path, act_dtype: str, activation_quant: int, for
             log(f"[{i}/{len(BLOCK_KINDS)}] {kind}: up to date")
             continue
         t0 = time.perf_counter()
-        written = export_kind(cfg, out, kind, act_dtype, activation_quant)
+        written = export_kind(cfg, out, kind, act_dtype, activation_quant, expert_ranges)
         graphs.update(written)
         trt_entry = written[keys[0]]
         log(f"[{i}/{len(BLOCK_KINDS)}] {kind}: {trt_entry['nodes']} nodes, {len(trt_entry['weights'])} weight inputs "
             f"({time.perf_counter() - t0:.1f}s)")
-    manifest = M.make_manifest(cfg, act_dtype, activation_quant, graphs)
+    manifest = M.make_manifest(cfg, act_dtype, activation_quant, graphs, expert_ranges)
     M.write_manifest(out, manifest)
     log(f"exported {len(BLOCK_KINDS)} block kinds to {out} in {time.perf_counter() - t_all:.1f}s")
     return manifest

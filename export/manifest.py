@@ -69,7 +69,8 @@ def write_graph(out: Path, key: str, kind: str, form: str, model: onnx.ModelProt
     }
 
 
-def make_manifest(cfg: K2Config, act_dtype: str, activation_quant: int, graphs: dict) -> dict:
+def make_manifest(cfg: K2Config, act_dtype: str, activation_quant: int, graphs: dict,
+                  expert_ranges: int = 1) -> dict:
     layers = {kind: [] for kind in BLOCK_KINDS}
     for i in range(cfg.num_hidden_layers):
         layers[cfg.layer_kind(i)].append(i)
@@ -81,6 +82,7 @@ def make_manifest(cfg: K2Config, act_dtype: str, activation_quant: int, graphs: 
         "config": cfg.to_hf_dict(),
         "act_dtype": act_dtype,
         "activation_quant": activation_quant,
+        "expert_ranges": expert_ranges,
         "opset": OPSET,
         "ir_version": IR_VERSION,
         "dims": DIMS,
@@ -93,14 +95,16 @@ def write_manifest(out: Path, manifest: dict) -> None:
     write_json(out / "manifest.json", manifest)
 
 
-def load_if_current(out: Path, cfg: K2Config, act_dtype: str, activation_quant: int) -> dict | None:
-    """The existing manifest if it was written for the same config, dtype, mode and exporter code."""
+def load_if_current(out: Path, cfg: K2Config, act_dtype: str, activation_quant: int,
+                    expert_ranges: int = 1) -> dict | None:
+    """The existing manifest if it was written for the same config, dtype, mode, expert ranges and exporter code."""
     try:
         m = read_manifest(out)
     except K2Error:
         return None
     same = (m.get("config_fingerprint") == cfg.fingerprint() and m.get("act_dtype") == act_dtype
-            and m.get("activation_quant") == activation_quant and m.get("exporter_version") == k2trt.__version__
+            and m.get("activation_quant") == activation_quant and m.get("expert_ranges", 1) == expert_ranges
+            and m.get("exporter_version") == k2trt.__version__
             and m.get("exporter_fingerprint") == exporter_fingerprint())
     return m if same else None
 

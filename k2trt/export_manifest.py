@@ -22,6 +22,24 @@ SCHEMA = {"config_fingerprint": str, "config": dict, "act_dtype": str, "activati
           "layers": MapOf(ListOf(int)), "graphs": MapOf(GRAPH_SCHEMA)}
 
 
+# A weight input holding experts [first, stop) of a stacked expert tensor (export/split_moe.py, expert ranges): the
+# runtime binds it as that slice of the stacked tensor (runtime/backends/graph_weights.py), a view, no copy.
+EXPERT_RANGE_SEP = "@"
+
+
+def expert_range_input(stacked: str, first: int, stop: int) -> str:
+    return f"{stacked}{EXPERT_RANGE_SEP}{first}:{stop}"
+
+
+def parse_expert_range(name: str) -> tuple[str, int, int] | None:
+    """(stacked name, first, stop) of an expert-range weight input; None for any other name."""
+    stacked, sep, span = name.rpartition(EXPERT_RANGE_SEP)
+    first, colon, stop = span.partition(":")
+    if not sep or not colon or not first.isdigit() or not stop.isdigit():
+        return None
+    return stacked, int(first), int(stop)
+
+
 class DamagedManifest(K2Error):
     def __init__(self, message: str):
         super().__init__(f"{message} (damaged; re-export)")

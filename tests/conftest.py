@@ -27,3 +27,24 @@ def tiny_export(tiny_ckpt, tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny-onnx")
     export(K2Config.from_json(tiny_ckpt), out, "float32", log=lambda *a: None)
     return out
+
+
+@pytest.fixture(scope="session")
+def aot_compiled(tmp_path_factory):
+    """Every distinct AOT configuration compiled for sm_90 (k2trt/tools/aot_configs.py, real Triton compiles and
+    ptxas, in a process of its own without TRITON_INTERPRET), once per test session: (results, seconds)."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's CUDA backend compiles the AOT kernels")
+    out = tmp_path_factory.mktemp("aot") / "aot.json"
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "k2trt.tools.aot_configs", "--json", str(out)], env=env,
+                       capture_output=True, text=True, timeout=3600)
+    seconds = time.perf_counter() - t0
+    if not out.exists():
+        pytest.fail(f"aot_configs wrote no results (exit {r.returncode}): {(r.stderr or r.stdout)[-3000:]}")
+    return json.loads(out.read_text())["results"], r.stdout, seconds

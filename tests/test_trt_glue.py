@@ -231,6 +231,43 @@ def test_ptx_version_follows_the_driver_and_ptxas():
     assert E.ptx_version_for(None, None) is None
 
 
+def test_ptx_is_capped_by_the_tensorrt_wheels_cuda_and_versions_are_checked():
+    from k2trt.runtime.trt import environment as E
+
+    # a cu12 TensorRT on a CUDA 13 driver: PTX 8.8 (the newest CUDA 12.x's), not the driver's 9.0
+    assert E.ptx_version_for((13, 0), 94, wheel_cuda=12) == 88
+    assert E.ptx_version_for((13, 0), 94, wheel_cuda=13) == 90
+    assert E.ptx_version_for((12, 4), 94, wheel_cuda=12) == 84
+    assert E.check_tensorrt("10.16.1", 12, (13, 0)) is None and E.check_tensorrt("11.4.0.106", 13, (13, 1)) is None
+    assert "outside what k2trt supports (>= 10.15, < 12)" in E.check_tensorrt("10.14.1", 12, (12, 9))
+    assert "outside" in E.check_tensorrt("12.0.0", 13, (13, 0))
+    assert "built for CUDA 13 (tensorrt-cu13) but the driver is CUDA 12.8" in E.check_tensorrt("11.1.0", 13, (12, 8))
+
+
+def test_tensorrt_wheel_cuda_from_the_distribution_name(monkeypatch):
+    from importlib import metadata
+
+    from k2trt.runtime.trt import environment as E
+
+    def dists(*names):
+        return lambda: [argparse.Namespace(metadata={"Name": n}) for n in names]
+
+    monkeypatch.setattr(metadata, "distributions", dists("numpy", "tensorrt_cu13_bindings", "tensorrt"))
+    assert E.tensorrt_wheel_cuda() == 13
+    monkeypatch.setattr(metadata, "distributions", dists("tensorrt-cu12"))
+    assert E.tensorrt_wheel_cuda() == 12
+    monkeypatch.setattr(metadata, "distributions", dists("tensorrt", "tensorrt-lean"))
+    assert E.tensorrt_wheel_cuda() is None
+
+
+def test_timing_caches_are_per_activation_dtype_and_mode(tmp_path):
+    from pathlib import Path
+
+    assert B.timing_cache_file(Path("c/tc.bin"), "bfloat16", 1) == Path("c/tc.bfloat16-w8a8.bin")
+    assert B.timing_cache_file(Path("tc"), "bfloat16", 0) == Path("tc.bfloat16-w8a16")
+    assert B.timing_cache_file(Path("tc"), "float32", 0) != B.timing_cache_file(Path("tc"), "float16", 0)
+
+
 # ---- plugins ↔ contracts ↔ exported nodes ---------------------------------------------------------------------
 
 def test_every_tensorrt_node_is_a_plugin_with_both_implementations():
@@ -331,7 +368,7 @@ def standin(monkeypatch):
 def _install(monkeypatch, trtp):
     from k2trt.runtime.trt import environment
 
-    trt = argparse.Namespace(DataType=S.DataType, plugin=trtp, __version__="10.13.0")
+    trt = argparse.Namespace(DataType=S.DataType, plugin=trtp, __version__=".".join(map(str, trtp.version)) + ".0")
     monkeypatch.setattr(environment, "import_tensorrt_plugin", lambda: (trt, trtp))
     monkeypatch.setattr(plugins, "_REGISTERED", set())
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
@@ -425,6 +462,95 @@ def test_standin_follows_the_parser_and_creator_rules(standin):
                                       (S.DataType.HALF,) * 2 + (S.DataType.INT32,)]
 
 
+def test_standin_follows_tensorrt_where_it_was_lenient(standin):
+    """Rules the stand-in once modelled leniently, each as TensorRT's source states it (cited in trt_standin.py)."""
+    import numpy as np
+    import numpy.typing as npt
+
+    plugins.register_plugins()
+    node = _plugin_nodes(_trt_graph())[0]
+    # plugin_namespace defaults to "", not the node's domain; later parsers retry with the domain after a miss
+    bare = onnx.helper.make_node(node.op_type, list(node.input), list(node.output), name="bare", domain=node.domain,
+                                 plugin_version="1", aot=1, activation_quant=1)
+    with pytest.raises(S.TensorRTError, match="Plugin not found"):
+        S.parse_plugin_node(standin, bare)
+    assert S.parse_plugin_node(standin, bare, domain_fallback=True).kind == "aot"
+
+    trtp = S.TensorRTPlugin()
+    # *args, **kwargs and positional-only parameters are refused at registration
+    for fn in ("def f(x, *rest): return x", "def f(x, **kw): return x", "def f(x, /, a): return x"):
+        scope = {}
+        exec(fn, scope)
+        scope["f"].__annotations__ = {"x": S.TensorDesc, "return": S.TensorDesc}
+        with pytest.raises(ValueError, match="positional-or-keyword or keyword-only"):
+            trtp.register("toy::args")(scope["f"])
+    # from_shape_expr takes a tuple (or ShapeExprs), not a list
+    with pytest.raises(TypeError, match="tuple or ShapeExprs"):
+        S.from_shape_expr([S.dim(2)], S.DataType.FLOAT)
+    # one AutoTuneCombination entry mixing '|' and '*'
+    with pytest.raises(ValueError, match="contains both"):
+        S.AutoTuneCombination("FP32|FP16*BF16, FP32").combinations()
+    assert len(S.AutoTuneCombination("FP32*FP16, FP32|FP16").combinations()) == 4  # across entries: allowed
+
+    # a plain int as an extra launch argument becomes a SymIntExpr, which get_launch_params refuses
+    def desc(x, a):
+        return trtp.from_shape_expr(tuple(x.shape_expr), x.dtype)
+
+    desc.__annotations__ = {"x": S.TensorDesc, "a": npt.NDArray[np.int32], "return": S.TensorDesc}
+    trtp.register("toy::op")(desc)
+
+    def aot(x, a, outputs, tactic):
+        extra = S.SymIntExprs(2)
+        extra[0] = S.SymInt32(x.shape_expr[0])
+        extra[1] = 7
+        return "k", "ptx", S.KernelLaunchParams(), extra
+
+    aot.__annotations__ = {"return": tuple[str, str, S.KernelLaunchParams, S.SymIntExprs]}
+    trtp.aot_impl("toy::op")(aot)
+    plugin = trtp.create_plugin("toy::op", {"a": np.array([1], np.int32)}, S.QuickPluginCreationRequest.STRICT_AOT)
+    plugin.output_shapes([S.TensorDesc([S.dim(4, True)], S.DataType.FLOAT)])
+    with pytest.raises(TypeError, match="must be a 'tensorrt.plugin.SymInt32'"):
+        plugin.launch(0)
+
+    # a STRING attribute arrives with its NUL terminator; plugins.attribute drops it
+    text = onnx.helper.make_attribute("name", "silu")
+    field = S._field(text)
+    assert field.tobytes() == b"silu\0"
+    assert plugins.attribute(field.tobytes().decode("utf-8")) == "silu"
+
+
+def test_standin_flags_and_builder_by_tensorrt_version(monkeypatch):
+    """TensorRT 11 moved the network-creation flags (NvInfer.h: STRONGLY_TYPED 0, deprecated; PREFER_JIT 1;
+    PREFER_AOT 2); before 10.15 SymIntExpr._exprBuilder outlived its shape call, which MoeAlign's [E + 1] output
+    meets the next time TensorRT asks for output types — why pyproject asks for TensorRT >= 10.15."""
+    trtp = _install(monkeypatch, S.TensorRTPlugin("11.1"))
+    plugins.register_plugins()
+    node = _plugin_nodes(_trt_graph())[0]
+    flags11 = S.NetworkDefinitionCreationFlag11
+    assert S.parse_plugin_node(trtp, node, 1 << flags11.PREFER_JIT_PYTHON_PLUGINS).kind == "jit"
+    assert S.parse_plugin_node(trtp, node, 1 << flags11.PREFER_AOT_PYTHON_PLUGINS).kind == "aot"
+    # what a 10.x flag number means in 11: bit 2 (10.x PREFER_JIT) is 11's PREFER_AOT
+    assert S.parse_plugin_node(trtp, node, 1 << S.NetworkDefinitionCreationFlag.PREFER_JIT_PYTHON_PLUGINS).kind \
+        == "aot"
+    assert B.network_flags(argparse.Namespace(__version__="11.1.0", NetworkDefinitionCreationFlag=flags11)) == 0
+
+    align = next(n for n in _plugin_nodes(_trt_graph()) if n.op_type == "MoeAlign")
+    align.attribute.append(onnx.helper.make_attribute("aot", 1))
+    ids = [S.TensorDesc([S.dim(2, True), S.dim(3, True), S.dim(8)], S.DataType.INT32)]
+    for version, stale in (("10.16", False), ("10.14", True)):
+        trtp = _install(monkeypatch, S.TensorRTPlugin(version))
+        plugins.register_plugins()
+        plugin = S.parse_plugin_node(trtp, align)
+        plugin.output_types([S.DataType.INT32], [3])
+        plugin.output_shapes(ids)
+        if stale:
+            with pytest.raises(RuntimeError, match="finished shape call"):
+                plugin.output_types([S.DataType.INT32], [3])
+        else:
+            assert plugin.output_types([S.DataType.INT32], [3]) == [S.DataType.INT32, S.DataType.INT32]
+    S._BUILDER.update(active=False, stale=False)
+
+
 def test_tensorrt_without_aot_registers_jit_only_and_aot_builds_refuse(monkeypatch):
     _install(monkeypatch, S.JitOnlyTensorRTPlugin())
     modes = plugins.register_plugins()
@@ -454,27 +580,46 @@ def _poisoned(t: torch.Tensor) -> torch.Tensor:
     return torch.full(t.shape, -7, dtype=t.dtype)
 
 
-def _emulate(standin, monkeypatch, tmp_path, case) -> dict[str, list[str]]:
-    """Parse the case's one-node graph, create its AOT plugin, ask for each tactic's launch, and launch the launch
-    under Triton's interpreter with TensorRT's argument order (inputs, extra scalars, outputs) and grid;
-    -> tactic -> mismatches against the reference."""
+def _real_compiles(monkeypatch, aot_compiled) -> dict:
+    """aot.compile_launch answered from the session's real sm_90 compiles (conftest.aot_compiled): the launch
+    shrunk as its configuration compiled, with that compile's shared memory and launch width; -> launches by name."""
     from k2trt.runtime.trt import aot
-    from k2trt.tools.plugin_cases import mismatches, one_node_model
+    from k2trt.tools import aot_configs as AC
 
+    by_key = AC.results_by_key(aot_compiled[0])
     compiled = {}
 
-    def fake_compile(launch, target=None):
-        name = f"{aot.ENTRY_PREFIX}{launch.label}_{len(compiled)}"
-        compiled[name] = launch
-        return launch, aot.AotKernel(name, f".version 9.0\n.visible .entry {name}(", launch.num_warps * 32, 0)
+    def real_compile(launch, target=None):
+        result = by_key.get(launch.config_key())
+        assert result is not None, f"{launch.label}: a configuration the compile run did not cover"
+        chosen = AC.compiled_like(launch, result)
+        name = f"{aot.ENTRY_PREFIX}{chosen.label}_{len(compiled)}"
+        compiled[name] = chosen
+        return chosen, aot.AotKernel(name, f".version 8.8\n.visible .entry {name}(", result["threads"],
+                                     result["shared"])
 
-    monkeypatch.setattr(aot, "compile_launch", fake_compile)
-    model = one_node_model(case)
-    path = tmp_path / f"{case.op_type}.onnx"
+    monkeypatch.setattr(aot, "compile_launch", real_compile)
+    return compiled
+
+
+def _aot_plugin(standin, model, tmp_path, name):
+    path = tmp_path / f"{name}.onnx"
     onnx.save_model(model, str(path))
     (node,) = onnx.load_from_string(B.with_aot_attribute(path, True)[0]).graph.node
     plugin = S.parse_plugin_node(standin, node)
     assert plugin.kind == "aot"
+    return plugin
+
+
+def _emulate(standin, compiled, tmp_path, case, run: bool = True) -> dict[str, list[str]]:
+    """Parse the case's one-node graph, create its AOT plugin, ask for each tactic's launch (compiled for real:
+    _real_compiles), and — with `run` — launch it under Triton's interpreter with TensorRT's argument order
+    (inputs, extra scalars, outputs) and grid; -> tactic -> mismatches against the reference."""
+    from k2trt.runtime.trt import aot
+    from k2trt.tools.plugin_cases import mismatches, one_node_model
+
+    model = one_node_model(case)
+    plugin = _aot_plugin(standin, model, tmp_path, case.op_type)
     inputs = _descs_of(case, model)
     out_types = plugin.output_types([d.dtype for d in inputs], [d.ndim for d in inputs])
     shapes = plugin.output_shapes(inputs)
@@ -485,37 +630,95 @@ def _emulate(standin, monkeypatch, tmp_path, case) -> dict[str, list[str]]:
     for tactic in plugin.tactics_for(types):
         params = plugin.launch(tactic)
         launch = compiled[params["name"]]
+        assert 0 <= params["shared_mem"] <= aot.AOT_SHARED_LIMIT and params["block_x"] == launch.num_warps * 32
+        if not run:
+            results[tactic] = []
+            continue
         outs = {n: _poisoned(case.expected[n]) for n in names}
         args = [case.inputs[vi.name].contiguous() for vi in model.graph.input] + params["extra"] + list(outs.values())
         launch.kernel[(params["grid_x"], params["grid_y"])](*args, **launch.constexprs(), num_warps=launch.num_warps,
                                                           num_stages=launch.num_stages)
-        assert params["block_x"] == launch.num_warps * 32
         results[tactic] = mismatches(case, outs)
     return results
 
 
-@pytest.mark.parametrize("aq", [1, 0])
-def test_every_aot_kernel_matches_its_reference(standin, monkeypatch, tmp_path, aq):
-    """Each plugin of the TensorRT-bound graphs, every tactic, bf16: the kernel TensorRT would launch writes every
-    output (they start poisoned) and matches the torch reference (skewed routing with an empty expert)."""
+@pytest.mark.slow
+@pytest.mark.parametrize("act, aq", [(a, q) for a in contracts.ACTIVATION_DTYPES for q in (1, 0)])
+def test_every_aot_kernel_matches_its_reference(standin, monkeypatch, tmp_path, aot_compiled, act, aq):
+    """k2trt doctor's one-node cases, every dtype and mode, every tactic, each as the plan really compiled for
+    sm_90 (shrunk to fit its shared memory): the kernel TensorRT would launch writes every output (they start
+    poisoned) and matches the torch reference (skewed routing with an empty expert)."""
     from k2trt.tools.plugin_cases import node_cases
 
     plugins.register_plugins()
-    for case in node_cases("bfloat16", aq):
-        results = _emulate(standin, monkeypatch, tmp_path, case)
+    compiled = _real_compiles(monkeypatch, aot_compiled)
+    for case in node_cases(act, aq):
+        results = _emulate(standin, compiled, tmp_path, case)
         assert results and all(not m for m in results.values()), (case.label, results)
         assert len(results) == len(plugins.plugin_specs()[case.op_type].tactics or [0])
 
 
-@pytest.mark.parametrize("act, aq", [("float32", 1), ("float32", 0), ("float16", 0)])
-def test_aot_linear_and_combine_in_other_dtypes(standin, monkeypatch, tmp_path, act, aq):
-    from k2trt.tools.plugin_cases import node_cases
+def _graph_on_standin(standin, compiled, tmp_path, model, sizes=None) -> int:
+    """Every plugin node of a TensorRT-bound graph as TensorRT's builder drives it: parsed with aot=1, types and
+    shapes inferred, every tactic's launch asked for (each a real sm_90 compile within 48 KiB); -> launches."""
+    from k2trt.runtime.trt import aot
+
+    sizes = sizes or {"B": 2, "T": 3}
+    types = value_types(model)
+    asked = 0
+    for i, node in enumerate(_plugin_nodes(model)):
+        one = onnx.helper.make_model(onnx.helper.make_graph([node], "g", [], []))
+        plugin = _aot_plugin(standin, one, tmp_path, f"node{i}")
+        descs = []
+        for v in node.input:  # named dims dynamic, dims shape inference lost taken as 6
+            shape = [S.dim(d, False) if isinstance(d, int) else
+                     S.dim(6 if d.startswith("unk") else eval_dim(d, sizes), True) for d in dims(types[v])]
+            descs.append(S.TensorDesc(shape, getattr(S.DataType, plugins.trt_type_name(
+                BY_ONNX[types[v].elem_type].name))))
+        out_types = plugin.output_types([d.dtype for d in descs], [d.ndim for d in descs])
+        plugin.output_shapes(descs)
+        assert out_types == [getattr(S.DataType, plugins.trt_type_name(BY_ONNX[types[v].elem_type].name))
+                             for v in node.output], node.name
+        for tactic in plugin.tactics_for(tuple(d.dtype for d in descs) + tuple(out_types)):
+            params = plugin.launch(tactic)
+            assert params["name"] in compiled and params["shared_mem"] <= aot.AOT_SHARED_LIMIT, node.name
+            asked += 1
+    return asked
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("act, aq", [(a, q) for a in contracts.ACTIVATION_DTYPES for q in (1, 0)])
+def test_doctor_block_engines_build_on_the_standin(standin, monkeypatch, tmp_path, aot_compiled, act, aq):
+    """k2trt doctor step 4 (the tiny model's engines; doctor's own are float32 W8A16), every dtype and mode:
+    every plugin node of the TensorRT-bound graphs through the stand-in with the real compiled launches."""
+    plugins.register_plugins()
+    compiled = _real_compiles(monkeypatch, aot_compiled)
+    asked = sum(_graph_on_standin(standin, compiled, tmp_path, _trt_graph(kind, act, aq))
+                for kind in ("dense_block", "moe_block"))
+    assert asked >= 2 * 3 + 4  # the linears' and GEMMs' tactics, align and combine
+
+
+@pytest.mark.slow
+def test_k2_size_expert_weights_and_their_fallback_on_the_standin(standin, monkeypatch, tmp_path, aot_compiled):
+    """doctor's K2-size case — one MoeGateUp whose expert weights are 384 x 2048 x 7168, 5.6e9 elements, over 2^31 —
+    and the fallback's (one range of 128 experts, 1.9e9) parse, infer their shapes and get every tactic's launch;
+    whether TensorRT binds a plugin input that large is what only a GPU machine shows. The K2 MoE block in three
+    expert ranges (export --expert-ranges 3) goes through the stand-in whole."""
+    from k2trt.export.split_moe import split_moe
+    from k2trt.tools.plugin_cases import K2_EXPERTS, K2_RANGE, large_case
 
     plugins.register_plugins()
-    for case in node_cases(act, aq):
-        if case.op_type in ("Fp8BlockLinear", "MoeCombine"):
-            results = _emulate(standin, monkeypatch, tmp_path, case)
-            assert all(not m for m in results.values()), (case.label, results)
+    compiled = _real_compiles(monkeypatch, aot_compiled)
+    for experts in (K2_EXPERTS, K2_RANGE):
+        case = large_case(experts)
+        assert (case.elements > 2**31 - 1) == (experts == K2_EXPERTS)
+        results = _emulate(standin, compiled, tmp_path, case.node_case(case.shape_inputs()), run=False)
+        assert sorted(results) == [1, 2, 3]
+    k2 = K2Config.preset("kimi-k2")
+    for aq in (1, 0):
+        model = split_moe(build_block_graph(k2, "moe_block", "bfloat16", aq), expert_ranges=3)
+        linears = sum(n.op_type == "Fp8BlockLinear" for n in model.graph.node)
+        assert _graph_on_standin(standin, compiled, tmp_path, model) == 3 * (1 + 3 + 3 + 1) + 3 * linears
 
 
 def test_aot_linear_kernel_is_the_runtime_kernel():
@@ -536,7 +739,7 @@ def test_aot_linear_kernel_is_the_runtime_kernel():
             y = torch.empty(m, n, dtype=dt)
             A.fp8_linear_aot_kernel[(launch.grid_x(m),)](x, w, s, m, y, **launch.constexprs())
             assert_close(y, reference_linear(x, w, s, aq))  # one ulp of the output dtype
-            assert torch.equal(y, runtime_linear(x, w, s, aq, config=tactic_config(tactic, n, k)))
+            assert torch.equal(y, runtime_linear(x, w, s, aq, config=tactic_config(tactic, n, k, dt, aq)))
 
 
 def test_aot_plan_checks():
@@ -549,6 +752,12 @@ def test_aot_plan_checks():
         A.linear_launch("bfloat16", 256, 256, 1, 9)
     with pytest.raises(ValueError, match="unknown tactic"):
         AM.gemm_launch("down", 4, 256, 128, "bfloat16", 1, 0)
+    # W8A8 quantizes x and h per 128 channels and re-quantizes h per 128-wide tile: whole groups only
+    with pytest.raises(ValueError, match="gate_up W8A8 needs I a multiple of 128, got 200"):
+        AM.gemm_launch("gate_up", 4, 200, 256, "bfloat16", 1, 1)
+    with pytest.raises(ValueError, match="down W8A8 needs I a multiple of 128, got 200"):
+        AM.gemm_launch("down", 4, 256, 200, "bfloat16", 1, 1)
+    assert AM.gemm_launch("gate_up", 4, 200, 200, "bfloat16", 0, 1).out_cols == 200  # W8A16: any size
     launch = A.linear_launch("bfloat16", 7168, 2048, 1, 3)
     assert launch.grid_x(300) == 3 * 56
     assert launch.shrink().num_stages == launch.num_stages - 1
@@ -557,7 +766,9 @@ def test_aot_plan_checks():
         g = g.shrink()
         assert g.block_n == 128
     # the grid works on TensorRT expressions with only + - * // and tensorrt.plugin.min
-    e = AM.gemm_launch("down", 384, 7168, 2048, "bfloat16", 1, 1).grid(S.dim(64, True), None, minimum=S.minimum)
+    with S.expression_builder():  # TensorRT evaluates the grid rule inside get_launch_params
+        e = AM.gemm_launch("down", 384, 7168, 2048, "bfloat16", 1, 1).grid(S.dim(64, True), None,
+                                                                           minimum=S.minimum)
     assert e[0].value == moe_kernels().gemm_grid(64, 384, 7168, moe_kernels().GEMM_TACTICS[1])
 
 
@@ -657,8 +868,7 @@ def test_network_flags_are_tensorrts():
     class Flag10:  # NvInfer.h, TensorRT 10.x
         STRONGLY_TYPED = S.NetworkDefinitionCreationFlag.STRONGLY_TYPED
 
-    class Flag11:  # TensorRT 11: strongly typed always, the flag deprecated (0) and ignored
-        STRONGLY_TYPED = 0
+    Flag11 = S.NetworkDefinitionCreationFlag11  # TensorRT 11: strongly typed always, the flag deprecated (0)
 
     def fake(version, flag):
         return argparse.Namespace(__version__=version, NetworkDefinitionCreationFlag=flag)
@@ -724,6 +934,116 @@ def test_plugins_and_backend_without_tensorrt(tmp_path):
 
 
 # ---- backend pieces that need no GPU ---------------------------------------------------------------------------
+
+class _Ptr:
+    """A tensor as Context.bind sees one: its address, dtype and shape."""
+
+    def __init__(self, ptr, shape=(2,), dtype=torch.float32):
+        self.ptr, self.shape, self.dtype = ptr, shape, dtype
+
+    def data_ptr(self):
+        return self.ptr
+
+
+class _RecordingContext:
+    """An execution context whose calls return what TensorRT's would (True, or False for a refusal)."""
+
+    def __init__(self, refuse=()):
+        self.refuse, self.calls = set(refuse), []
+
+    def _call(self, what, *args):
+        self.calls.append((what, *args))
+        return what not in self.refuse
+
+    def set_optimization_profile_async(self, p, stream):
+        return self._call("profile", p)
+
+    def set_input_shape(self, name, shape):
+        return self._call("shape", name)
+
+    def set_tensor_address(self, name, ptr):
+        return self._call("address", name, ptr)
+
+    def get_tensor_shape(self, name):
+        return (2,)
+
+
+def test_context_checks_every_binding_and_its_alignment():
+    from k2trt.runtime.trt.backend import TENSOR_ALIGNMENT, Context
+
+    entry = {"kind": "moe_block"}
+    stream = argparse.Namespace(cuda_stream=0)
+    dtypes = {"x": torch.float32}
+    ok = _RecordingContext()
+    Context(ok, entry, dtypes).bind(1, {"x": _Ptr(4096)}, {"w": _Ptr(8192)}, {"y": _Ptr(512)}, stream)
+    assert [c[0] for c in ok.calls] == ["profile", "shape", "address", "address", "address"]
+    for refused, message in (("profile", "optimization profile 1"), ("shape", r"shape \(2,\) for x"),
+                             ("address", "the address of x")):
+        with pytest.raises(K2Error, match=f"TensorRT refused {message}"):
+            Context(_RecordingContext([refused]), entry, dtypes).bind(1, {"x": _Ptr(4096)}, {}, {}, stream)
+    with pytest.raises(K2Error, match=f"128 bytes past a {TENSOR_ALIGNMENT}-byte boundary"):
+        Context(_RecordingContext(), entry, dtypes).bind(2, {"x": _Ptr(4096 + 128)}, {}, {}, stream)
+
+
+def test_odd_max_seq_gives_aligned_cache_slots():
+    """--max-seq 4095: the runtime's capacity is rounded to 4096 (cache.bucket, steps of 16 positions), the engines'
+    P range reaches it, and every slot view of a K2-wide bf16 latent cache starts 256-byte aligned; an unrounded
+    4095 would put odd slots 128 bytes off (4095 x 576 x 2 = 128 mod 256)."""
+    from k2trt.runtime.backends.contract import CAPACITY_MULTIPLE
+    from k2trt.runtime.generation.cache import LatentCache, bucket
+
+    spec = ProfileSpec(max_seq=4095, opt_seq=1024)
+    assert spec.max_capacity == 4096 and spec.dim_ranges("decode")["P"] == (1, 1024, 4096)
+    check_call_shape(spec, 1, 1, 4096)
+    with pytest.raises(K2Error, match="--max-seq 4095"):
+        check_call_shape(spec, 1, 1, 4112)
+    for needed in (1, 17, 3000, 4090, 4095):
+        capacity = bucket(needed, 4095)
+        assert capacity % CAPACITY_MULTIPLE == 0 and needed <= capacity <= spec.max_capacity
+    assert bucket(3, 8, minimum=1) == 4  # slot counts keep their own steps
+    cache = LatentCache([0], 576, torch.bfloat16)
+    cache.resize(3, bucket(4095, 4095))
+    base = cache.tensors[0].data_ptr()
+    for first in range(3):
+        assert (cache.view(0, first, 1).data_ptr() - base) % 256 == 0
+    assert (4095 * 576 * 2) % 256 == 128
+
+
+def test_cuda_graph_capture_failure_falls_back_with_one_warning(monkeypatch):
+    """A capture that fails (TensorRT's enqueue returns False while capturing, as sampleInference.cpp allows) turns
+    CUDA graphs off for the rest of the run with one warning line; every later decode block runs plainly."""
+    import contextlib
+
+    from k2trt.runtime.trt import backend as TB
+
+    class Stream:
+        def synchronize(self):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    be = argparse.Namespace(stream=Stream(), device="cpu")
+    warned = []
+    graphs = TB.DecodeGraphs(be, warn=warned.append)
+
+    def reset(b, p):
+        graphs.key, graphs.static = (b, p), {"hidden_states": torch.zeros(b, 1, 4)}
+
+    def capture(layer, kind, cache, weights):
+        raise K2Error("moe_block: TensorRT failed to enqueue the engine (see its log above)\nmore")
+
+    monkeypatch.setattr(graphs, "_reset", reset)
+    monkeypatch.setattr(graphs, "_capture", capture)
+    inputs = {"hidden_states": torch.ones(2, 1, 4), "latent_cache": torch.zeros(2, 16, 8)}
+    assert graphs.run(0, "moe_block", inputs, {}) is None
+    assert graphs.run(1, "moe_block", inputs, {}) is None  # off: no second capture, no second warning
+    assert warned == ["TensorRT: CUDA graph capture failed (moe_block: TensorRT failed to enqueue the engine (see "
+                      "its log above)); decode runs without CUDA graphs"]
+    assert graphs.memory_bytes == 0
+
 
 def test_output_shapes_and_weight_upload(exported):
     from k2trt.tools.synthetic import RandomWeights

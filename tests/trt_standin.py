@@ -10,7 +10,10 @@ source, not on our reading of its API:
     attribute becomes a kINT32 field of length 1) and importerUtils.cpp (createPlugin: the node's `aot` attribute
     makes the request STRICT_AOT / STRICT_JIT and overrides the network's PREFER_* flags; both flags at once are
     refused; the creator gets the op_type as the plugin name);
-  * the flag values of NvInfer.h NetworkDefinitionCreationFlag (TensorRT 10.x).
+  * the flag values of NvInfer.h NetworkDefinitionCreationFlag, 10.x and 11.x (they moved in 11.0).
+
+Read at TensorRT OSS v10.15, v10.16 and v11.1 (python/packaging/bindings_wheel/tensorrt/plugin is the same in 10.16
+and 11.1 but for a sample's signature) and onnx-tensorrt 10.1-GA and dd0a3a9.
 
 It is a model of the rules, not a reimplementation: tensors are descriptions, kernels do not run here — a test
 launches an AOT plan under Triton's interpreter with the grid and arguments this stand-in computed.
@@ -18,6 +21,7 @@ launches an AOT plan under Triton's interpreter with the grid and arguments this
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import inspect
 import types
@@ -53,10 +57,20 @@ class QuickPluginCreationRequest(enum.Enum):  # NvInferPythonPlugin.h
     STRICT_AOT = 4
 
 
-class NetworkDefinitionCreationFlag:  # NvInfer.h, TensorRT 10.x
+class NetworkDefinitionCreationFlag:  # NvInfer.h v10.16 NetworkDefinitionCreationFlag (kEXPLICIT_BATCH = 0 deprecated)
     STRONGLY_TYPED = 1
     PREFER_JIT_PYTHON_PLUGINS = 2
     PREFER_AOT_PYTHON_PLUGINS = 3
+
+
+class NetworkDefinitionCreationFlag11:  # NvInfer.h v11.1: kSTRONGLY_TYPED = 0 deprecated and ignored, the others moved
+    STRONGLY_TYPED = 0
+    PREFER_JIT_PYTHON_PLUGINS = 1
+    PREFER_AOT_PYTHON_PLUGINS = 2
+
+
+def creation_flags(major: int):
+    return NetworkDefinitionCreationFlag11 if major >= 11 else NetworkDefinitionCreationFlag
 
 
 class TensorRTError(Exception):
@@ -79,20 +93,39 @@ def str_to_data_type(name: str) -> DataType:
 
 # ---- shape expressions (_tensor.py) -----------------------------------------------------------------------
 
-_BUILDER = {"active": False}  # an IExprBuilder exists only inside get_output_shapes / get_launch_params
+# An IExprBuilder exists only inside get_output_shapes / get_launch_params: _plugin_class.py sets
+# SymIntExpr._exprBuilder on entry and, since TensorRT 10.15, back to None on exit (_plugin_class.py v10.15 lines
+# 147 and 437). Before 10.15 it stays set to the builder of a call that has finished ("stale").
+_BUILDER = {"active": False, "stale": False}
 
 
-class ShapeExpr:
-    """ShapeExpr: + - * // with ints or expressions, no reflected operators (SymIntExpr defines none); fake ones
-    (get_output_data_types) refuse is_constant; non-constant ones refuse constant_value() and bool()."""
+@contextlib.contextmanager
+def expression_builder():
+    """As inside a shape call: ints become constant expressions (a test computing a grid rule directly)."""
+    _BUILDER.update(active=True, stale=False)
+    try:
+        yield
+    finally:
+        _BUILDER.update(active=False, stale=False)
 
-    def __init__(self, value: int | None = None, constant: bool = True):
-        self._fake = value is None or not _BUILDER["active"]
-        self.value, self.constant = value, constant
 
-    @property
-    def is_fake(self) -> bool:
-        return self._fake
+class SymIntExpr:
+    """_tensor.py SymIntExpr: + - * // with ints or expressions, no reflected operators; an int becomes a constant
+    through the active IExprBuilder, or a fake expression without one. Non-constant ones refuse constant_value()
+    and bool()."""
+
+    def __init__(self, value=None):
+        if isinstance(value, SymIntExpr):
+            self._fake, self.value, self.constant = value._fake, value.value, value.constant
+        elif isinstance(value, int) and not isinstance(value, bool):
+            if _BUILDER["stale"]:
+                raise RuntimeError("SymIntExpr._exprBuilder belongs to a finished shape call (TensorRT < 10.15 "
+                                   "never resets it: _plugin_class.py get_output_shapes / get_launch_params)")
+            self._fake, self.value, self.constant = not _BUILDER["active"], value, True
+        elif value is None:
+            self._fake, self.value, self.constant = True, None, True
+        else:
+            raise TypeError(f"{type(self).__name__} of {type(value).__name__}")
 
     @property
     def is_constant(self) -> bool:
@@ -106,13 +139,13 @@ class ShapeExpr:
         return self.value
 
     def _op(self, other, fn):
-        if isinstance(other, int):
-            other = _const(other, self._fake)
-        if not isinstance(other, ShapeExpr):
+        if isinstance(other, int) and not isinstance(other, bool):
+            other = SymIntExpr(other)
+        if not isinstance(other, SymIntExpr):
             raise TypeError(f"unsupported operand {type(other).__name__}")
         if self._fake or other._fake:
-            return ShapeExpr()
-        return _expr(fn(self.value, other.value), self.constant and other.constant)
+            return type(self)()
+        return _expr(fn(self.value, other.value), self.constant and other.constant, type(self))
 
     def __add__(self, o):
         return self._op(o, lambda a, b: a + b)
@@ -132,14 +165,27 @@ class ShapeExpr:
         return bool(self.value)
 
 
-def _expr(value: int, constant: bool) -> ShapeExpr:
-    e = ShapeExpr.__new__(ShapeExpr)
+class SymInt32(SymIntExpr):
+    """What an extra launch argument must be (get_launch_params: isinstance(arg, SymInt32))."""
+
+    def resolved(self) -> int:
+        if self._fake or self.value is None:
+            raise RuntimeError("a fake expression reached the launch parameters")
+        return self.value
+
+
+class ShapeExpr(SymInt32):
+    """_tensor.py ShapeExpr (a SymInt32): fake ones (get_output_data_types) refuse is_constant."""
+
+    @property
+    def is_fake(self) -> bool:
+        return self._fake
+
+
+def _expr(value: int, constant: bool, cls=ShapeExpr) -> SymIntExpr:
+    e = cls.__new__(cls)
     e._fake, e.value, e.constant = False, value, constant
     return e
-
-
-def _const(value: int, fake: bool) -> ShapeExpr:
-    return ShapeExpr() if fake else _expr(value, True)
 
 
 def _top_level(first, second, fn):
@@ -147,7 +193,7 @@ def _top_level(first, second, fn):
     if isinstance(first, int):
         if isinstance(second, int):
             raise ValueError("Both arguments cannot be 'int's")
-        first = _const(first, second.is_fake)
+        first = ShapeExpr(first)
     return first._op(second, fn)
 
 
@@ -164,6 +210,8 @@ def maximum(a, b):
 
 
 class SymExprs:
+    """_tensor.py SymExprs: a fixed-length iterable; a plain int stored into it becomes a SymInt32 (_from_scalar)."""
+
     def __init__(self, length: int):
         self._length, self._exprs = length, [None] * length
 
@@ -179,28 +227,37 @@ class SymExprs:
     def __setitem__(self, i, e):
         if i >= self._length:
             raise IndexError("Index out of range")
-        self._exprs[i] = e if isinstance(e, (SymInt32, ShapeExpr)) else SymInt32(e)
+        self._exprs[i] = e if isinstance(e, SymIntExpr) else self._scalar(e)
+
+    def _scalar(self, e):
+        if not isinstance(e, int):
+            raise ValueError(f"Unsupported type: '{type(e)}'")
+        return SymInt32(e)
 
 
 class SymIntExprs(SymExprs):
-    pass
+    """_tensor.py SymIntExprs.__setitem__: a plain int becomes a SymIntExpr — not a SymInt32, so get_launch_params
+    refuses it as an extra argument ("Extra args must be a 'tensorrt.plugin.SymInt32'")."""
+
+    def _scalar(self, e):
+        if not isinstance(e, int):
+            raise ValueError(f"Value should be int or SymIntExpr. Got '{type(e)}'")
+        return SymIntExpr(e)
 
 
-class SymInt32:
-    def __init__(self, value):
-        if isinstance(value, SymInt32):
-            value = value.expr
-        if not isinstance(value, (int, ShapeExpr)):
-            raise TypeError(f"SymInt32 of {type(value).__name__}")
-        self.expr = value
+class ShapeExprs(SymExprs):
+    """_tensor.py ShapeExprs: a tensor's shape; ints stored become ShapeExprs."""
 
-    def value(self) -> int:
-        e = self.expr
-        if isinstance(e, int):
-            return e
-        if e.is_fake:
-            raise RuntimeError("a fake expression reached the launch parameters")
-        return e.value
+    @classmethod
+    def of(cls, exprs) -> "ShapeExprs":
+        out = cls(len(exprs))
+        out._exprs = [e if isinstance(e, ShapeExpr) else ShapeExpr(e) for e in exprs]
+        return out
+
+    def _scalar(self, e):
+        if not isinstance(e, int):
+            raise ValueError(f"Value should be int or ShapeExpr. Got '{type(e)}'")
+        return ShapeExpr(e)
 
 
 class KernelLaunchParams:
@@ -218,7 +275,8 @@ class KernelLaunchParams:
 
 class TensorDesc:
     def __init__(self, shape_expr=None, dtype: DataType | None = None):
-        self.shape_expr, self.dtype = list(shape_expr or []), dtype
+        self.shape_expr = shape_expr if isinstance(shape_expr, SymExprs) else ShapeExprs.of(list(shape_expr or []))
+        self.dtype = dtype
 
     @property
     def ndim(self) -> int:
@@ -226,13 +284,18 @@ class TensorDesc:
 
 
 def from_shape_expr(shape_expr, dtype: DataType) -> TensorDesc:
-    return TensorDesc([e if isinstance(e, ShapeExpr) else _const(e, not _BUILDER["active"]) for e in shape_expr],
-                      dtype)
+    """_top_level.py from_shape_expr: a tuple becomes ShapeExprs.from_tuple; anything else is kept as it is, so
+    TensorRT fails when it reads a list's entries (`._expr`, `_clone`): only a tuple or a ShapeExprs works."""
+    if isinstance(shape_expr, tuple):
+        return TensorDesc(ShapeExprs.of(list(shape_expr)), dtype)
+    if isinstance(shape_expr, ShapeExprs):
+        return TensorDesc(shape_expr, dtype)
+    raise TypeError(f"from_shape_expr of a {type(shape_expr).__name__}: TensorRT reads a tuple or ShapeExprs only")
 
 
 class AutoTuneCombination:
-    """_autotune.py: "type0,type1,..." with '|' (dependent) or '*' (independent) alternatives, layouts "LINEAR"
-    by default (one entry for all or one per I/O), custom tactics positive integers."""
+    """_autotune.py: "type0,type1,..." with '|' (dependent) or '*' (independent) alternatives — never both in one
+    entry — layouts "LINEAR" by default (one entry for all or one per I/O), custom tactics positive integers."""
 
     def __init__(self, io_types: str, layouts: str | None = None, tactics=None):
         self.io_types = [s.strip() for s in io_types.split(",")]
@@ -247,6 +310,9 @@ class AutoTuneCombination:
 
     def combinations(self) -> list[tuple[tuple, tuple]]:
         def expand(entries):
+            for e in entries:  # _autotune.py _gen_onesided_combinations
+                if "|" in e and "*" in e:
+                    raise ValueError(f"Type/Format '{e}' contains both '|' and '*'")
             n = max(len(e.split("|")) for e in entries)
             if any(1 < len(e.split("|")) != n for e in entries):
                 raise ValueError(f"Type/Format combinations {entries} contain illegal dependent lengths")
@@ -329,13 +395,14 @@ class TensorRTPlugin:
     min = staticmethod(minimum)
     max = staticmethod(maximum)
 
-    def __init__(self):
+    def __init__(self, version: str = "10.16"):
+        self.version = tuple(int(v) for v in version.split(".")[:2])
         self.registry: dict[str, PluginDef] = {}
 
     def register(self, plugin_id: str):
         def decorator(fn):
             ns, name = plugin_id.split("::")
-            if "." in ns or "." in name or ns in {"", "trt", "tensorrt", "std"}:
+            if "." in ns or "." in name or ns in {"", "trt", "tensorrt", "std"}:  # _validate.py RESERVED_NAMESPACES
                 raise ValueError(f"invalid plugin id {plugin_id}")
             if plugin_id in self.registry:
                 raise ValueError(f"'{plugin_id}' already has a definition")
@@ -343,6 +410,9 @@ class TensorRTPlugin:
             saw_attr = False
             sig = inspect.signature(fn)
             for idx, (pname, param) in enumerate(sig.parameters.items()):
+                # _validate.py _parse_register_inputs: no *args, **kwargs or positional-only parameters
+                if param.kind not in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
+                    raise ValueError(f"Argument {pname} is not a positional-or-keyword or keyword-only arg")
                 ann = param.annotation
                 if ann is inspect.Parameter.empty:
                     raise ValueError(f"Argument {pname} does not have a type annotation.")
@@ -458,7 +528,7 @@ class TensorRTPlugin:
                     attrs[name] = ann(data)
         jit_defined, aot_defined = pdef.impl_func is not None, pdef.aot_impl_func is not None
         if request is None:  # no creation request (deserializing a JIT plugin): always the JIT plugin
-            return Plugin(pdef, attrs, True)
+            return Plugin(pdef, attrs, True, self.version)
         if request == QuickPluginCreationRequest.STRICT_AOT:
             if not aot_defined:
                 raise ValueError(f"AOT implementation requested, but not defined for '{plugin_id}'.")
@@ -480,7 +550,7 @@ class TensorRTPlugin:
             jit = jit_defined
         else:
             raise ValueError(f"Plugin '{plugin_id}' does not have either a AOT or JIT implementation.")
-        return Plugin(pdef, attrs, jit)
+        return Plugin(pdef, attrs, jit, self.version)
 
 
 class JitOnlyTensorRTPlugin(TensorRTPlugin):
@@ -500,8 +570,8 @@ def dim(value: int, dynamic: bool = False) -> ShapeExpr:
 class Plugin:
     """What _TemplateJITPlugin / _TemplateAOTPlugin do with our functions while TensorRT builds (and loads)."""
 
-    def __init__(self, pdef: PluginDef, attrs: dict, jit: bool):
-        self.pdef, self.attrs, self.jit = pdef, attrs, jit
+    def __init__(self, pdef: PluginDef, attrs: dict, jit: bool, version: tuple = (10, 16)):
+        self.pdef, self.attrs, self.jit, self.version = pdef, attrs, jit, version
         self.kind = "jit" if jit else "aot"
         self.input_descs: list[TensorDesc] = []
         self.output_descs: list[TensorDesc] = []
@@ -518,15 +588,21 @@ class Plugin:
         descs = [TensorDesc([ShapeExpr() for _ in range(r)], t) for t, r in zip(input_types, ranks)]
         return [d.dtype for d in self._register(descs)]
 
+    def _shape_call(self, fn):
+        """A call with an IExprBuilder: reset after it since 10.15, left behind before (_plugin_class.py)."""
+        _BUILDER.update(active=True, stale=False)
+        try:
+            return fn()
+        finally:
+            _BUILDER.update(active=False, stale=self.version < (10, 15))
+
     def output_shapes(self, inputs: list[TensorDesc]) -> list[list[ShapeExpr]]:
         """get_output_shapes: register with the network's shape expressions."""
-        _BUILDER["active"] = True
-        try:
+        def run():
             self.input_descs = inputs
             self.output_descs = list(self._register(inputs))
-        finally:
-            _BUILDER["active"] = False
-        return [d.shape_expr for d in self.output_descs]
+        self._shape_call(run)
+        return [list(d.shape_expr) for d in self.output_descs]
 
     def supported(self) -> dict[tuple, set]:
         """get_supported_format_combinations: autotune with the input and output descriptors."""
@@ -549,21 +625,20 @@ class Plugin:
         """_TemplateAOTPlugin.get_launch_params: aot_impl(*inputs, *every attribute, outputs, tactic)."""
         if self.jit:
             raise AssertionError("launch parameters are for AOT plugins")
-        _BUILDER["active"] = True
-        try:
-            val = list(self.attrs.values())
-            name, ptx, params, extra = self.pdef.aot_impl_func(*self.input_descs, *val, tuple(self.output_descs),
-                                                              tactic)
-        finally:
-            _BUILDER["active"] = False
+        val = list(self.attrs.values())
+        name, ptx, params, extra = self._shape_call(lambda: self.pdef.aot_impl_func(
+            *self.input_descs, *val, tuple(self.output_descs), tactic))
         if not isinstance(name, (str, bytes)) or not isinstance(ptx, (str, bytes)):
             raise TypeError("Kernel name and PTX must be 'str' or 'bytes'.")
         if not isinstance(params, KernelLaunchParams):
             raise TypeError("Launch params must be a 'tensorrt.plugin.KernelLaunchParams'.")
-        if not isinstance(extra, SymExprs) or any(not isinstance(a, SymInt32) for a in extra):
-            raise TypeError("Extra args must be a 'tensorrt.plugin.SymIntExprs' of SymInt32.")
-        return {"name": name, "ptx": ptx, "extra": [a.value() for a in extra],
-                **{f: getattr(params, f).value() for f in KernelLaunchParams._FIELDS}}
+        if not isinstance(extra, SymExprs):
+            raise TypeError("Extra args must be a 'tensorrt.plugin.SymIntExprs'.")
+        for a in extra:  # _plugin_class.py get_launch_params, per argument
+            if not isinstance(a, SymInt32):
+                raise TypeError(f"Extra args must be a 'tensorrt.plugin.SymInt32'.  Got: {type(a)}.")
+        return {"name": name, "ptx": ptx, "extra": [a.resolved() for a in extra],
+                **{f: getattr(params, f).resolved() for f in KernelLaunchParams._FIELDS}}
 
     def impl_arguments(self) -> list:
         """_TemplateJITPlugin.enqueue calls impl(*inputs, *[attrs of impl_attr_names], outputs, stream[, tactic])."""
@@ -582,15 +657,16 @@ class Plugin:
 # ---- the ONNX parser's plugin path (onnx-tensorrt) -------------------------------------------------------------
 
 def _field(attr) -> np.ndarray:
-    """loadFields: INT -> kINT32 [v], FLOAT -> kFLOAT32 [v], STRING -> kCHAR, INTS -> kINT32, FLOATS -> kFLOAT32."""
+    """loadFields: INT -> kINT32 [v], FLOAT -> kFLOAT32 [v], STRING -> kCHAR with its NUL terminator (copyField),
+    INTS -> kINT32, FLOATS -> kFLOAT32."""
     from onnx import AttributeProto
 
     if attr.type == AttributeProto.INT:
         return np.array([attr.i], dtype=np.int32)
     if attr.type == AttributeProto.FLOAT:
         return np.array([attr.f], dtype=np.float32)
-    if attr.type == AttributeProto.STRING:
-        return np.frombuffer(attr.s, dtype=np.int8)
+    if attr.type == AttributeProto.STRING:  # copyField(std::string) appends '\0' to the field's data
+        return np.frombuffer(attr.s + b"\0", dtype=np.int8)
     if attr.type == AttributeProto.INTS:
         return np.array(list(attr.ints), dtype=np.int32)
     if attr.type == AttributeProto.FLOATS:
@@ -598,12 +674,18 @@ def _field(attr) -> np.ndarray:
     raise TensorRTError(attr.name, f"Attributes of type {attr.type} are unsupported in plugin fields")
 
 
-def parse_plugin_node(trtp: TensorRTPlugin, node, network_flags: int = 0) -> Plugin:
-    """FallbackPluginImporter + loadFields + createPlugin for one node."""
+def parse_plugin_node(trtp: TensorRTPlugin, node, network_flags: int = 0, domain_fallback: bool = False) -> Plugin:
+    """FallbackPluginImporter + loadFields + createPlugin for one node. `plugin_namespace` defaults to "" (onnx-tensorrt
+    onnxOpImporters.cpp FallbackPluginImporter, `attrs.get<std::string>("plugin_namespace", "")`; 10.1-GA line 6443),
+    which no tensorrt.plugin plugin can have (RESERVED_NAMESPACES); later parsers retry with the node's domain after
+    a miss (onnxOpImporters.cpp at dd0a3a9, "Fallback check to the node's domain") — `domain_fallback`. The flag
+    numbers are those of the stand-in's TensorRT major version (creation_flags)."""
     attrs = {a.name: a for a in node.attribute}
     version = attrs["plugin_version"].s.decode() if "plugin_version" in attrs else "1"
-    namespace = attrs["plugin_namespace"].s.decode() if "plugin_namespace" in attrs else node.domain
+    namespace = attrs["plugin_namespace"].s.decode() if "plugin_namespace" in attrs else ""
     plugin_id = f"{namespace}::{node.op_type}"
+    if plugin_id not in trtp.registry and domain_fallback:
+        plugin_id = f"{node.domain}::{node.op_type}"
     if plugin_id not in trtp.registry or version != "1":
         raise TensorRTError(node.name, "Plugin not found, are the plugin name, version, and namespace correct?")
     fields = {name: _field(attrs[name]) for name in trtp.field_names(plugin_id) if name in attrs}
@@ -611,8 +693,9 @@ def parse_plugin_node(trtp: TensorRTPlugin, node, network_flags: int = 0) -> Plu
         request = (QuickPluginCreationRequest.STRICT_AOT if attrs["aot"].i
                    else QuickPluginCreationRequest.STRICT_JIT)
     else:
-        prefer_aot = bool(network_flags & (1 << NetworkDefinitionCreationFlag.PREFER_AOT_PYTHON_PLUGINS))
-        prefer_jit = bool(network_flags & (1 << NetworkDefinitionCreationFlag.PREFER_JIT_PYTHON_PLUGINS))
+        flags = creation_flags(trtp.version[0])
+        prefer_aot = bool(network_flags & (1 << flags.PREFER_AOT_PYTHON_PLUGINS))
+        prefer_jit = bool(network_flags & (1 << flags.PREFER_JIT_PYTHON_PLUGINS))
         if prefer_aot and prefer_jit:
             raise TensorRTError(node.name, "Both kPREFER_AOT_PYTHON_PLUGINS and kPREFER_JIT_PYTHON_PLUGINS "
                                            "cannot be specified at the same time.")

@@ -6,7 +6,8 @@ One line per step — pass, FAIL with the first error, or skip when a step it ne
   2. plugin registration: every plugin of the TensorRT-bound graphs with tensorrt.plugin, JIT and AOT;
   3. one engine per plugin: a graph of one plugin node whose FP8 weights are network inputs that only the plugin
      reads (does the builder accept that?), built, run, and compared with the torch reference
-     (k2trt/tools/plugin_cases.py);
+     (k2trt/tools/plugin_cases.py); then one MoeGateUp with K2-size expert weights (5.6e9 elements each, over
+     2^31): taken, or refused — said in one line — with the per-expert-range fallback checked instead;
   4. the tiny model's four block engines, built with their prefill and decode profiles — exported in float32
      and W8A16, the convention ONNX Runtime computes in, so that
   5. 8 greedy tokens from the engines equal the ONNX Runtime backend's.
@@ -93,10 +94,15 @@ def _environment(state: dict) -> str:
 
     env = environment.current_environment()
     state["env"] = env
+    refused = environment.check_tensorrt(env["tensorrt_version"], env["tensorrt_cuda"],
+                                         environment.driver_cuda_version())
+    if refused:
+        raise K2Error(refused)
     target = build.configure_aot_target(env) if state["plugins"] == "aot" else None
     ptx = "" if target is None or target.ptx_version is None else \
         f", AOT kernels as PTX {environment.ptx_text(target.ptx_version)}"
-    return (f"TensorRT {env['tensorrt_version']}; {env['gpu_name']} (sm {env['compute_capability']}); "
+    wheel = "" if env["tensorrt_cuda"] is None else f" (tensorrt-cu{env['tensorrt_cuda']})"
+    return (f"TensorRT {env['tensorrt_version']}{wheel}; {env['gpu_name']} (sm {env['compute_capability']}); "
             f"driver CUDA {env['cuda_driver']}{ptx}; torch {torch.__version__} (CUDA {torch.version.cuda}); "
             f"Triton {triton.__version__}")
 
@@ -179,6 +185,45 @@ def _one_node_step(case) -> Callable[[dict], str]:
     return run
 
 
+def _large_inputs(state: dict) -> str:
+    """A MoeGateUp engine whose expert weights are K2's size (5.6e9 elements each); where TensorRT refuses that,
+    one line saying so, and the fallback — per-expert-range weight inputs, one range of 128 experts — checked."""
+    import torch
+
+    from k2trt.runtime.trt.environment import import_tensorrt
+    from k2trt.tools.plugin_cases import K2_EXPERTS, K2_RANGE, large_case
+
+    trt = import_tensorrt()
+    aot = state["plugins"] == "aot"
+
+    def attempt(num_experts: int) -> str | None:
+        case = large_case(num_experts)
+        need = 2 * case.elements + (1 << 30)  # the gate and up weights, fp8, and room for TensorRT
+        free = torch.cuda.mem_get_info()[0]
+        if free < need:
+            raise K2Error(f"needs {need / 2**30:.1f} GiB of free GPU memory for {case.label}, "
+                          f"this GPU has {free / 2**30:.1f} GiB free")
+        logger = first_error_logger(trt)
+        weights = case.device_inputs("cuda")
+        try:
+            problems = one_node_engine(trt, logger, case.node_case(weights), aot)
+        except K2Error as e:
+            return first_line(e)
+        finally:
+            del weights
+            torch.cuda.empty_cache()
+        return f"differs from the reference: {problems[0]}" if problems else None
+
+    refused = attempt(K2_EXPERTS)
+    if refused is None:
+        return f"{K2_EXPERTS} x 2048 x 7168 expert weights (5.6e9 elements, over 2^31) taken, ran, match"
+    fallback = attempt(K2_RANGE)
+    if fallback is not None:
+        raise K2Error(f"K2-size expert weights refused ({refused}); per-expert-range inputs fail too: {fallback}")
+    return (f"TensorRT refuses 5.6e9-element plugin inputs ({refused}); per-expert-range inputs of {K2_RANGE} "
+            "experts work: export K2 with --expert-ranges 3")
+
+
 def _block_engines(state: dict) -> str:
     from k2trt.config import K2Config
     from k2trt.export.exporter import export
@@ -230,6 +275,7 @@ def steps() -> list[Step]:
     out = [Step("TensorRT and CUDA", _environment), Step("plugin registration", _registration, ("TensorRT and CUDA",))]
     for case in node_cases("bfloat16", PER_TOKEN_GROUP):
         out.append(Step(f"one-node engine {case.label}", _one_node_step(case), ("plugin registration",)))
+    out.append(Step("K2-size expert weights", _large_inputs, ("plugin registration",)))
     out.append(Step("tiny model block engines", _block_engines, ("plugin registration",)))
     out.append(Step("8 tokens vs ONNX Runtime", _tokens, ("tiny model block engines",)))
     return out

@@ -132,3 +132,79 @@ def _close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float) -> str
     limit = rtol * want.abs() + TIGHT * want.abs().max()
     bad = int((err > limit).sum())
     return None if bad == 0 else f"{name}: {bad} of {want.numel()} elements off (max error {err.max().item():.3g})"
+
+
+# ---- K2-size expert weights ----------------------------------------------------------------------------------
+# Does TensorRT take a plugin input of over 2^31 elements? K2's stacked gate (and up) weight is 384 x 2048 x 7168 =
+# 5.6e9. The case binds one MoeGateUp node with inputs of that size, routes a few tokens to experts at both ends
+# (expert 383's weights start 5.6e9 - 14.7e6 elements in), and compares their rows of h with the reference run on
+# those experts alone (the sort is stable and keeps the experts' order, so the rows agree). Only the touched experts
+# hold data; the full weights are allocated on the device (2 x 5.6 GB), never on the host. Where TensorRT refuses
+# the size, the fallback is per-expert-range weight inputs (`k2trt export --expert-ranges N`, export/split_moe.py):
+# the same node over one range (128 experts, 1.9e9 elements) is the fallback's case.
+
+K2_EXPERTS, K2_INTER, K2_D = 384, 2048, 7168
+K2_RANGE = 128  # export/split_moe.expert_ranges(384, 3): three ranges of 128 experts
+
+
+@dataclass
+class LargeCase:
+    num_experts: int  # of the node's weight inputs: 384 (K2's) or one expert range
+    touched: list[int]  # experts the routing uses, ascending
+    act: str
+    activation_quant: int
+    x: torch.Tensor  # [1, T, d]
+    topk_ids: torch.Tensor  # [1, T, k] into num_experts
+    compact: dict[str, torch.Tensor]  # gate/up weights and scales of the touched experts only
+    expected: dict[str, torch.Tensor]
+
+    @property
+    def label(self) -> str:
+        return f"MoeGateUp with {self.num_experts} x {K2_INTER} x {K2_D} expert weights ({self.elements:.1e} elements)"
+
+    @property
+    def elements(self) -> int:
+        return self.num_experts * K2_INTER * K2_D
+
+    def node_case(self, weights: dict[str, torch.Tensor]) -> NodeCase:
+        """The case as a NodeCase whose expert weight inputs are `weights` (device_inputs or shape_inputs)."""
+        sorted_pairs, offsets = moe_ref.moe_align_reference(self.topk_ids, self.num_experts)
+        n = ["n"]
+        return NodeCase("MoeGateUp", self.act, self.activation_quant,
+                        {"x": self.x, "sorted_pairs": sorted_pairs, "expert_offsets": offsets, **weights},
+                        {"activation_quant": self.activation_quant}, self.expected,
+                        {"x": ["B", "T", K2_D], "sorted_pairs": n, "expert_offsets": [self.num_experts + 1],
+                         **{k: list(v.shape) for k, v in weights.items()},
+                         "h": n + [K2_INTER], "h_scale": n + [self.expected["h_scale"].shape[1]]})
+
+    def device_inputs(self, device) -> dict[str, torch.Tensor]:
+        """Full-size weight inputs on `device`: zeros but for the touched experts."""
+        out = {}
+        for name, compact in self.compact.items():
+            full = torch.zeros((self.num_experts, *compact.shape[1:]), dtype=compact.dtype, device=device)
+            full[self.touched] = compact.to(device)
+            out[name] = full
+        return out
+
+    def shape_inputs(self) -> dict[str, torch.Tensor]:
+        """Stand-ins of the full weight inputs with their shapes and dtypes and no storage (meta tensors)."""
+        return {name: torch.empty((self.num_experts, *c.shape[1:]), dtype=c.dtype, device="meta")
+                for name, c in self.compact.items()}
+
+
+def large_case(num_experts: int = K2_EXPERTS, act: str = "bfloat16", activation_quant: int = PER_TOKEN_GROUP,
+               seed: int = 0) -> LargeCase:
+    g = torch.Generator().manual_seed(seed)
+    touched = sorted({0, 1, num_experts // 2, num_experts - 1})
+    t = 3  # tokens, two experts each
+    ids = torch.tensor([[[touched[0], touched[-1]], [touched[1], touched[2]], [touched[-1], touched[1]]]],
+                       dtype=torch.int32)
+    x = torch.randn(1, t, K2_D, generator=g).to(dtype_info(act).torch)
+    gw, gs = quantize_weight(torch.randn(len(touched), K2_INTER, K2_D, generator=g) * 0.02)
+    uw, us = quantize_weight(torch.randn(len(touched), K2_INTER, K2_D, generator=g) * 0.02)
+    local = torch.tensor([touched.index(int(e)) for e in ids.reshape(-1)], dtype=torch.int32).view(ids.shape)
+    sp, off = moe_ref.moe_align_reference(local, len(touched))
+    h, h_scale = moe_ref.moe_gate_up_reference(x, sp, off, gw, gs, uw, us, activation_quant)
+    return LargeCase(num_experts, touched, act, activation_quant, x, ids,
+                     {"gate_weight": gw, "gate_scale_inv": gs, "up_weight": uw, "up_scale_inv": us},
+                     {"h": h, "h_scale": h_scale})

@@ -32,6 +32,17 @@ class WeightSource(Protocol):
         graphs/weights.assemble_block_weights), in graphs/weights.block_weight_specs order."""
 
 
+# Cache capacities are multiples of this many positions (runtime/generation/cache.bucket), so every slot range of a
+# latent cache whose per-position row is a multiple of 16 bytes (576 bf16 values for K2) starts 256-byte aligned,
+# as TensorRT requires of every bound address (NvInferRuntime.h IExecutionContext::setTensorAddress). A backend
+# built for a --max-seq that is not a multiple accepts the capacity rounded up (runtime/trt/profiles.py).
+CAPACITY_MULTIPLE = 16
+
+
+def round_capacity(positions: int) -> int:
+    return -(-positions // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
+
+
 @dataclass(frozen=True)
 class BackendLimits:
     """What a backend was built for; None = no limit beyond the model's. The generator refuses requests outside

@@ -14,14 +14,19 @@ from typing import Iterable
 
 import torch
 
+from k2trt.runtime.backends.contract import CAPACITY_MULTIPLE
 
-def bucket(needed: int, limit: int, minimum: int = 16) -> int:
+
+def bucket(needed: int, limit: int, minimum: int = CAPACITY_MULTIPLE) -> int:
     """The size to allocate for `needed`: the next power of two (at least `minimum`), at most `limit` (and never
-    less than needed), so sizes change rarely (each change copies the cache) and at most double what is needed."""
+    less than needed), so sizes change rarely (each change copies the cache) and at most double what is needed;
+    always a multiple of `minimum` — a capacity capped at an odd limit is rounded up, so slot views stay 256-byte
+    aligned (contract.CAPACITY_MULTIPLE)."""
     size = minimum
     while size < needed:
         size *= 2
-    return max(needed, min(size, limit))
+    size = max(needed, min(size, limit))
+    return -(-size // minimum) * minimum
 
 
 class LatentCache:

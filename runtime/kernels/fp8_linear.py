@@ -13,13 +13,18 @@ values: the GPU gets the same bits as the CPU interpreter, whose own fp32→bf16
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
 from k2trt.graphs.fp8 import BLOCK, PER_TOKEN_GROUP, WEIGHT_DEQUANT, cdiv
+
+# Every launch, JIT and AOT, asks for FMA contraction explicitly: Triton 3.9 defaults it on and warns that 3.10 turns
+# it off (triton/knobs.py language_knobs.fp_fusion_enabled, FP_FUSION_DEFAULT_WARNING), and a kernel baked into an
+# engine must not change with Triton's default. Off: the GPU rounds each multiply and add as graphs/fp8.py does.
+FP_FUSION = False
 
 # Activation dtype codes passed to kernels as constexpr (a dtype object is awkward to specialize on).
 ACT_F32, ACT_BF16, ACT_F16 = 0, 1, 2
@@ -263,7 +268,8 @@ def quantize_activation(x: torch.Tensor, block_rows: int = 16) -> tuple[torch.Te
     s = torch.empty(m, k // BLOCK, dtype=torch.float32, device=x.device)
     if m:
         act_quant_kernel[(cdiv(m, block_rows), k // BLOCK)](
-            x, q, s, m, x.stride(0), q.stride(0), s.stride(0), BLOCK_ROWS=block_rows, GROUP=BLOCK)
+            x, q, s, m, x.stride(0), q.stride(0), s.stride(0), BLOCK_ROWS=block_rows, GROUP=BLOCK,
+            enable_fp_fusion=FP_FUSION)
     return q, s
 
 
@@ -277,19 +283,38 @@ class LinearConfig:
     num_stages: int = 3
 
 
-def linear_config(m: int, n: int, k: int) -> LinearConfig:
+# float32 W8A16 dots run on FMA units (input_precision="ieee") with fp32 operands in registers and shared memory, four
+# times an fp8 tile: a K step of 16 and linear tiles of at most 64x64 keep every tactic within the 48 KiB of an AOT
+# launch and 255 registers without a spill (the MoE GEMMs keep their 16/32/64 x 128 tiles at that K step);
+# tests/test_aot_compile.py compiles every configuration for sm_90. K steps divide 128: one weight scale each.
+FMA_BLOCK_K = 16
+FMA_MAX_TILE = 64 * 64
+
+
+def fma_dot(dtype: torch.dtype, activation_quant: int) -> bool:
+    """Whether the GEMMs of this dtype and mode dot in fp32 on FMA units (no tensor-core path)."""
+    return dtype == torch.float32 and activation_quant != PER_TOKEN_GROUP
+
+
+def linear_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
+                  activation_quant: int = PER_TOKEN_GROUP) -> LinearConfig:
     """Per-shape tiles. Decode (few rows) is weight-bandwidth bound: narrow N tiles so that enough programs
-    stream the weight (an H100/H200 has 132 SMs); prefill uses the usual 64×128 / 128×128 fp8 tiles."""
+    stream the weight (an H100/H200 has 132 SMs); prefill uses the usual 64×128 / 128×128 fp8 tiles. 64-row tiles
+    take 8 warps: W8A8 quantizes the [64, 128] activation tile in registers, which spills with 4 (ptxas, sm_90)."""
     if m <= 16:
         bn = 128
         while bn > 16 and cdiv(n, bn) < 264:
             bn //= 2
-        return LinearConfig(16, bn, num_stages=4)
-    if m <= 64:
-        return LinearConfig(32 if m <= 32 else 64, 64, num_stages=4)
-    if m <= 512:
-        return LinearConfig(64, 128, num_stages=3)
-    return LinearConfig(128, 128, num_warps=8, num_stages=3)
+        cfg = LinearConfig(16, bn, num_stages=4)
+    elif m <= 64:
+        cfg = LinearConfig(32, 64, num_stages=4) if m <= 32 else LinearConfig(64, 64, num_warps=8, num_stages=4)
+    elif m <= 512:
+        cfg = LinearConfig(64, 128, num_stages=3)
+    else:
+        cfg = LinearConfig(128, 128, num_warps=8, num_stages=3)
+    if fma_dot(dtype, activation_quant):
+        cfg = replace(cfg, block_k=FMA_BLOCK_K, block_n=min(cfg.block_n, FMA_MAX_TILE // cfg.block_m))
+    return cfg
 
 
 # TensorRT tactic id -> the row count whose tile config a tactic runs (the JIT and the AOT plugin alike); TensorRT
@@ -297,10 +322,10 @@ def linear_config(m: int, n: int, k: int) -> LinearConfig:
 LINEAR_TACTIC_ROWS = {1: 1, 2: 64, 3: 4096}
 
 
-def tactic_config(tactic: int, n: int, k: int) -> LinearConfig:
+def tactic_config(tactic: int, n: int, k: int, dtype: torch.dtype, activation_quant: int) -> LinearConfig:
     if tactic not in LINEAR_TACTIC_ROWS:
         raise ValueError(f"Fp8BlockLinear: unknown tactic {tactic}; expected one of {sorted(LINEAR_TACTIC_ROWS)}")
-    return linear_config(LINEAR_TACTIC_ROWS[tactic], n, k)
+    return linear_config(LINEAR_TACTIC_ROWS[tactic], n, k, dtype, activation_quant)
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
@@ -324,7 +349,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
         return out
     weight = weight.contiguous()
     scale_inv = scale_inv.to(torch.float32).contiguous()
-    cfg = config or linear_config(m, n, k)
+    cfg = config or linear_config(m, n, k, x.dtype, activation_quant)
     if activation_quant == PER_TOKEN_GROUP:
         a, a_s = quantize_activation(x2)
     else:
@@ -337,5 +362,5 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
         a.stride(0), a_s.stride(0), weight.stride(0), scale_inv.stride(0), y.stride(0),
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
         A_FP8=activation_quant == PER_TOKEN_GROUP, ACT=ac, DOT16=dot16(x.dtype), EVEN_K=k % cfg.block_k == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION)
     return out

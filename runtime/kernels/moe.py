@@ -21,7 +21,7 @@ TensorRT times plugins on uninitialized inputs, and a stray index must not fault
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -29,7 +29,8 @@ import triton.language as tl
 
 from k2trt.graphs.fp8 import BLOCK, PER_TOKEN_GROUP, cdiv
 from k2trt.runtime.kernels.fp8_linear import (quant_group, round_act, scaled_dot, to_act, act_code,
-                                               check_activation_quant, checked_out, dot16)
+                                               check_activation_quant, checked_out, dot16, fma_dot, FMA_BLOCK_K,
+                                               FP_FUSION)
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -132,8 +133,8 @@ def gate_up_kernel(x_ptr, sorted_ptr, off_ptr, gw_ptr, gs_ptr, uw_ptr, us_ptr, M
     rows64 = rows.to(tl.int64)
     h_ptrs = h_ptr + rows64[:, None] * N + offs_n[None, :]
     if A_FP8:
-        q, s = quant_group(h)  # BN == 128: this tile is exactly one 1×128 group per row
-        tl.store(h_ptrs, q.to(tl.float8e4nv), mask=valid[:, None])
+        q, s = quant_group(h)  # BN == 128: this tile is exactly one 1×128 group per row (I % 128 == 0)
+        tl.store(h_ptrs, q.to(tl.float8e4nv), mask=valid[:, None] & n_mask[None, :])
         tl.store(hs_ptr + rows64 * NB + pid_n, s, mask=valid)
     else:
         tl.store(h_ptrs, to_act(h, ACT), mask=valid[:, None] & n_mask[None, :])
@@ -209,8 +210,7 @@ class GemmTiles:
     block_n: int = 128  # gate+up: must be 128, one re-quantization group per tile
     num_warps: int = 4
     num_stages: int = 3
-
-    block_k = BLOCK  # one weight scale per K step; one activation group under W8A8
+    block_k: int = BLOCK  # divides 128 (one weight scale per 128 K); W8A8: 128, one activation group per K step
 
 
 # tactic id -> tiles. Decode has ~1 pair per touched expert, so a 16-row tile wastes little; prefill fills 64-row
@@ -220,6 +220,10 @@ GEMM_TACTICS: dict[int, GemmTiles] = {
     2: GemmTiles(block_m=32, num_warps=8, num_stages=4),
     3: GemmTiles(block_m=64, num_warps=8, num_stages=3),
 }
+# float32 W8A16 dots run on FMA units (fp8_linear.fma_dot): their operand tiles are fp32, four times an fp8 tile, and
+# at K steps of 128 two of them (gate and up, 128x128) alone need 128 KiB — no height or stage count fits the 48 KiB
+# of an AOT launch (runtime/trt/aot.py; the smallest, BM 16 with one stage, needs 73,728 B). At fp8_linear's
+# FMA_BLOCK_K every tactic keeps its height and pipelining, unspilled (tests/test_aot_compile.py).
 # (max average pairs per expert, tactic) for the torch entry point, which picks without timing
 _TACTIC_BY_LOAD = ((4.0, 1), (24.0, 2), (float("inf"), 3))
 ALIGN_WARPS = 2
@@ -260,18 +264,23 @@ def combine_constexprs(d: int, top_k: int, dtype: torch.dtype) -> dict:
     return dict(D=d, TOP_K=top_k, BLOCK_D=COMBINE_BLOCK_D, ACT=act_code(dtype))
 
 
-def check_gemm(tiles: GemmTiles, gate_up: bool) -> None:
+def check_gemm(tiles: GemmTiles, gate_up: bool, activation_quant: int = PER_TOKEN_GROUP) -> None:
     if gate_up and tiles.block_n != BLOCK:
         raise ValueError("the gate+up GEMM needs block_n == 128 (one scale group of h per tile)")
+    if BLOCK % tiles.block_k or (activation_quant == PER_TOKEN_GROUP and tiles.block_k != BLOCK):
+        raise ValueError(f"block_k {tiles.block_k} must divide 128 (one weight scale per 128 K), and be 128 under "
+                         "W8A8 (one activation group per K step)")
 
 
-def gemm_tiles(stage: str, tactic: int) -> GemmTiles:
-    """The tiles of a tactic for the "gate_up" or "down" GEMM, checked for that stage: the torch entry points and
-    the AOT plans (runtime/trt/aot_moe.py) both take them from here."""
+def gemm_tiles(stage: str, tactic: int, dtype: torch.dtype, activation_quant: int) -> GemmTiles:
+    """The tiles of a tactic for the "gate_up" or "down" GEMM in an activation dtype and FP8 mode, checked for that
+    stage: the torch entry points and the AOT launches (runtime/trt/aot_moe.py) both take them from here."""
     if tactic not in GEMM_TACTICS:
         raise ValueError(f"MoE {stage}: unknown tactic {tactic}; expected one of {sorted(GEMM_TACTICS)}")
     tiles = GEMM_TACTICS[tactic]
-    check_gemm(tiles, gate_up=stage == "gate_up")
+    if fma_dot(dtype, activation_quant):
+        tiles = replace(tiles, block_k=FMA_BLOCK_K)
+    check_gemm(tiles, gate_up=stage == "gate_up", activation_quant=activation_quant)
     return tiles
 
 
@@ -295,7 +304,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, sorted_pairs=None, exper
     sorted_pairs = checked_out(sorted_pairs, (n,), torch.int32, flat.device)
     expert_offsets = checked_out(expert_offsets, (num_experts + 1,), torch.int32, flat.device)
     align_kernel[(1,)](flat, n, sorted_pairs, expert_offsets, **align_constexprs(num_experts),
-                        num_warps=ALIGN_WARPS)
+                        num_warps=ALIGN_WARPS, enable_fp_fusion=FP_FUSION)
     return sorted_pairs, expert_offsets
 
 
@@ -306,7 +315,7 @@ def moe_gate_up(x2, sorted_pairs, expert_offsets, gate_w, gate_s, up_w, up_s, ac
     m, d = x2.shape
     num_experts, inter, _ = gate_w.shape
     n = sorted_pairs.numel()
-    tiles = gemm_tiles("gate_up", tactic or default_tactic(n, num_experts))
+    tiles = gemm_tiles("gate_up", tactic or default_tactic(n, num_experts), x2.dtype, activation_quant)
     w8a8 = activation_quant == PER_TOKEN_GROUP
     h = checked_out(h, (n, inter), torch.float8_e4m3fn if w8a8 else x2.dtype, x2.device)
     h_scale = checked_out(h_scale, (n, cdiv(inter, BLOCK)), torch.float32, x2.device)
@@ -315,7 +324,7 @@ def moe_gate_up(x2, sorted_pairs, expert_offsets, gate_w, gate_s, up_w, up_s, ac
             x2.contiguous(), sorted_pairs, expert_offsets, gate_w.contiguous(), gate_s.float().contiguous(),
             up_w.contiguous(), up_s.float().contiguous(), m, n, h, h_scale,
             **gemm_constexprs(num_experts, inter, d, tiles, activation_quant, x2.dtype),
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=FP_FUSION)
     return h, h_scale
 
 
@@ -325,13 +334,13 @@ def moe_down(h, h_scale, sorted_pairs, expert_offsets, down_w, down_s, activatio
     check_activation_quant(activation_quant)
     num_experts, d, inter = down_w.shape
     n = sorted_pairs.numel()
-    tiles = gemm_tiles("down", tactic or default_tactic(n, num_experts))
+    tiles = gemm_tiles("down", tactic or default_tactic(n, num_experts), dtype, activation_quant)
     out = checked_out(out, (n, d), dtype, h.device)
     if n:
         down_kernel[(gemm_grid(n, num_experts, d, tiles),)](
             h, h_scale, sorted_pairs, expert_offsets, down_w.contiguous(), down_s.float().contiguous(), n, out,
             **gemm_constexprs(num_experts, d, inter, tiles, activation_quant, dtype),
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=FP_FUSION)
     return out
 
 
@@ -342,7 +351,8 @@ def moe_combine(pair_out, topk_weights, out=None):
     m, d = w.shape[0], pair_out.shape[1]
     out = checked_out(out, (m, d), pair_out.dtype, pair_out.device)
     if m:
-        combine_kernel[(m, cdiv(d, COMBINE_BLOCK_D))](pair_out, w, out, **combine_constexprs(d, top_k, out.dtype))
+        combine_kernel[(m, cdiv(d, COMBINE_BLOCK_D))](pair_out, w, out, **combine_constexprs(d, top_k, out.dtype),
+                                                     enable_fp_fusion=FP_FUSION)
     return out
 
 

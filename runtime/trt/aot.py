@@ -26,6 +26,8 @@ from dataclasses import dataclass, replace
 
 import triton
 
+from k2trt.runtime.kernels.fp8_linear import FP_FUSION
+
 AOT_SHARED_LIMIT = 48 * 1024
 ENTRY_PREFIX = "k2trt_"
 
@@ -113,7 +115,8 @@ def _compile(launch, target: Target | None):
     kernel, constexprs = launch.kernel, launch.constexprs()
     sig, attrs = signature(kernel, launch.pointer_types(), constexprs)
     src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
-    options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
+    # FMA contraction set explicitly, as every JIT launch sets it (fp8_linear.FP_FUSION): Triton's default flips in 3.10
+    options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages, "enable_fp_fusion": FP_FUSION}
     if target is not None and target.ptx_version is not None:
         options["ptx_version"] = target.ptx_version
     compiled = triton.compile(src, target=None if target is None else GPUTarget("cuda", target.arch, 32),
@@ -137,6 +140,14 @@ def shrink_tiles(launch, narrow_n: bool = True):
     return None
 
 
+def config_key(launch, k: int, block_k: int, kind: tuple) -> tuple:
+    """A GEMM launch's compiled configuration: everything its code depends on besides the exact sizes — the kernel,
+    its types and mode (`kind`), tiles, warps and stages, whether K is whole K steps (the masked tail) and whether
+    the K loop is shorter than the pipeline (which then holds fewer stages). N only bounds the grid and the masks."""
+    tiles = (launch.block_m, launch.block_n, block_k, launch.num_warps, launch.num_stages)
+    return (launch.kernel.__name__, *kind, *tiles, k % block_k == 0, -(-k // block_k) < launch.num_stages)
+
+
 def compile_launch(launch, target: Target | None = None):
     """Compile a launch, shrinking it until it fits AOT_SHARED_LIMIT -> (the launch compiled, AotKernel).
 
@@ -152,3 +163,54 @@ def compile_launch(launch, target: Target | None = None):
             return launch, AotKernel(unique, rename_entry(ptx, name, unique), warps * 32, shared)
         launch = launch.shrink()
     raise ValueError(f"{first.label}: no tile config fits in {AOT_SHARED_LIMIT // 1024} KiB of shared memory")
+
+
+# ---- what ptxas says of a compiled kernel ---------------------------------------------------------------------
+# CUDA C++ Programming Guide, "Technical Specifications per Compute Capability" (9.0): at most 255 32-bit registers
+# per thread and 64 K per thread block — a launch needing more is refused; ptxas spills what does not fit in 255.
+MAX_REGISTERS_PER_THREAD = 255
+REGISTERS_PER_BLOCK = 64 * 1024
+
+
+@dataclass(frozen=True)
+class PtxasUsage:
+    registers: int
+    spill_stores: int  # bytes
+    spill_loads: int
+    stack: int  # bytes of stack frame
+
+    def fits(self, threads: int) -> list[str]:
+        """Why a block of `threads` threads would not run as compiled (empty: it fits, unspilled)."""
+        problems = []
+        if self.registers > MAX_REGISTERS_PER_THREAD or self.registers * threads > REGISTERS_PER_BLOCK:
+            problems.append(f"{self.registers} registers x {threads} threads exceed the register file")
+        if self.spill_stores or self.spill_loads:
+            problems.append(f"spills {self.spill_stores} B stores / {self.spill_loads} B loads")
+        return problems
+
+
+def ptxas_usage(ptx: str, arch: int) -> PtxasUsage:
+    """`ptxas -v` on a kernel's PTX — what TensorRT's JIT compiles — with Triton's bundled ptxas, the options Triton
+    passes it (triton/backends/nvidia/compiler.py make_cubin: --fmad follows enable_fp_fusion). No GPU needed."""
+    import os
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    with tempfile.TemporaryDirectory(prefix="k2trt-ptxas-") as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        cmd = [get_ptxas(arch).path, "-v", *([] if FP_FUSION else ["--fmad=false"]),
+               f"--gpu-name={sm_arch_from_capability(arch)}", src, "-o", os.path.join(tmp, "k.cubin")]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise ValueError(f"ptxas failed: {' '.join((r.stderr or r.stdout).split())[:300]}")
+    log = r.stderr + r.stdout
+    used = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if used is None or spills is None:
+        raise ValueError(f"cannot read ptxas -v: {' '.join(log.split())[:300]}")
+    stack, stores, loads = (int(g) for g in spills.groups())
+    return PtxasUsage(int(used.group(1)), stores, loads, stack)

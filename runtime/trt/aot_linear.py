@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from k2trt.dtypes import torch_dtype
 from k2trt.graphs.fp8 import BLOCK, PER_TOKEN_GROUP, WEIGHT_DEQUANT, cdiv
 from k2trt.runtime.kernels.fp8_linear import act_code, dot16, fp8_linear_aot_kernel, tactic_config
-from k2trt.runtime.trt.aot import shrink_tiles
+from k2trt.runtime.trt.aot import config_key, shrink_tiles
 
 # activation dtype name -> Triton pointer type (the kernels' ACT code comes from fp8_linear.act_code)
 ACT_POINTERS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -23,7 +23,6 @@ def act_pointer(act: str, plugin: str) -> str:
     if act not in ACT_POINTERS:
         raise ValueError(f"{plugin} AOT: activation dtype {act!r} is not one of {tuple(ACT_POINTERS)}")
     return ACT_POINTERS[act]
-
 
 
 @dataclass(frozen=True)
@@ -39,12 +38,9 @@ class LinearLaunch:
     group_m: int
     num_warps: int
     num_stages: int
+    block_k: int = BLOCK
 
     kernel = fp8_linear_aot_kernel
-
-    @property
-    def block_k(self) -> int:
-        return BLOCK
 
     @property
     def label(self) -> str:
@@ -66,6 +62,10 @@ class LinearLaunch:
     def shrink(self) -> "LinearLaunch | None":
         return shrink_tiles(self)
 
+    def config_key(self) -> tuple:
+        """What the compiled code depends on besides the exact sizes (aot.config_key)."""
+        return config_key(self, self.k, self.block_k, (self.act, self.activation_quant, self.group_m))
+
 
 def linear_launch(act: str, n: int, k: int, activation_quant: int, tactic: int) -> LinearLaunch:
     act_pointer(act, "Fp8BlockLinear")
@@ -73,6 +73,6 @@ def linear_launch(act: str, n: int, k: int, activation_quant: int, tactic: int) 
         raise ValueError(f"Fp8BlockLinear AOT: activation_quant must be 0 or 1, got {activation_quant}")
     if activation_quant == PER_TOKEN_GROUP and k % BLOCK:
         raise ValueError(f"Fp8BlockLinear W8A8 needs K a multiple of {BLOCK}, got {k}")
-    cfg = tactic_config(tactic, n, k)
+    cfg = tactic_config(tactic, n, k, torch_dtype(act), activation_quant)
     return LinearLaunch(n, k, act, activation_quant, cfg.block_m, cfg.block_n, cfg.group_m,
-                        cfg.num_warps, cfg.num_stages)
+                        cfg.num_warps, cfg.num_stages, cfg.block_k)

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from k2trt.dtypes import torch_dtype
-from k2trt.graphs.fp8 import PER_TOKEN_GROUP, cdiv
+from k2trt.graphs.fp8 import BLOCK, PER_TOKEN_GROUP, cdiv
 from k2trt.runtime.kernels import moe
-from k2trt.runtime.trt.aot import shrink_tiles
+from k2trt.runtime.trt.aot import config_key, shrink_tiles
 from k2trt.runtime.trt.aot_linear import act_pointer
 
 
@@ -40,6 +40,9 @@ class AlignLaunch:
     def shrink(self):
         return None
 
+    def config_key(self) -> tuple:
+        return (self,)
+
     def grid(self, num_pairs, num_tokens, minimum=min):
         return (1, 1)
 
@@ -60,6 +63,7 @@ class GemmLaunch:
     block_n: int
     num_warps: int
     num_stages: int
+    block_k: int = BLOCK
 
     @property
     def kernel(self):
@@ -71,7 +75,7 @@ class GemmLaunch:
 
     @property
     def tiles(self) -> moe.GemmTiles:
-        return moe.GemmTiles(self.block_m, self.block_n, self.num_warps, self.num_stages)
+        return moe.GemmTiles(self.block_m, self.block_n, self.num_warps, self.num_stages, self.block_k)
 
     def pointer_types(self) -> dict[str, str]:
         act = _ptr(self.act)
@@ -92,6 +96,11 @@ class GemmLaunch:
 
     def grid(self, num_pairs, num_tokens, minimum=min):
         return (moe.gemm_grid(num_pairs, self.num_experts, self.out_cols, self.tiles, minimum), 1)
+
+    def config_key(self) -> tuple:
+        """What the compiled code depends on besides the exact sizes (aot.config_key); E sets BLOCK_E."""
+        return config_key(self, self.in_cols, self.block_k,
+                          (self.stage, self.act, self.activation_quant, self.num_experts))
 
     def extra_args(self, num_pairs, num_tokens) -> tuple:
         return (num_tokens, num_pairs) if self.stage == "gate_up" else (num_pairs,)  # (M, n) / (n)
@@ -117,6 +126,9 @@ class CombineLaunch:
     def shrink(self):
         return None
 
+    def config_key(self) -> tuple:
+        return (self,)
+
     def grid(self, num_pairs, num_tokens, minimum=min):
         return (num_tokens, cdiv(self.d, moe.COMBINE_BLOCK_D))
 
@@ -125,7 +137,15 @@ class CombineLaunch:
 
 
 def gemm_launch(stage: str, num_experts: int, out_cols: int, in_cols: int, act: str, activation_quant: int,
-              tactic: int) -> GemmLaunch:
-    t = moe.gemm_tiles(stage, tactic)
+                tactic: int) -> GemmLaunch:
+    _ptr(act)
+    if activation_quant == PER_TOKEN_GROUP:
+        # x (gate+up) and h (down) are quantized per 128 channels and h re-quantized per 128-wide tile: every
+        # dimension of the W8A8 GEMMs is whole groups (the kernel masks its stores on N all the same)
+        for what, size in (("d", out_cols if stage == "down" else in_cols),
+                           ("I", in_cols if stage == "down" else out_cols)):
+            if size % BLOCK:
+                raise ValueError(f"MoE {stage} W8A8 needs {what} a multiple of {BLOCK}, got {size}")
+    t = moe.gemm_tiles(stage, tactic, torch_dtype(act), activation_quant)
     return GemmLaunch(stage, num_experts, out_cols, in_cols, act, activation_quant, t.block_m, t.block_n,
-                    t.num_warps, t.num_stages)
+                      t.num_warps, t.num_stages, t.block_k)

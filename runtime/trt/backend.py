@@ -16,6 +16,7 @@ Optional CUDA graphs for decode blocks (`cuda_graphs=True`, off by default): see
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Iterable
 
@@ -71,31 +72,53 @@ class OutputArena:
         return buf[:n].view(shape)
 
 
+# NvInferRuntime.h IExecutionContext::setTensorAddress: "The pointer must have at least 256-byte alignment."
+TENSOR_ALIGNMENT = 256
+
+
+def aligned(x: torch.Tensor) -> torch.Tensor:
+    """x, or a contiguous copy of it where its address breaks TensorRT's alignment (a view at an odd offset)."""
+    return x if x.data_ptr() % TENSOR_ALIGNMENT == 0 else x.clone(memory_format=torch.contiguous_format)
+
+
 class Context:
-    """One TensorRT execution context: its optimization profile, its bindings, its enqueue."""
+    """One TensorRT execution context: its optimization profile, its bindings, its enqueue. Every call into it is
+    checked: set_optimization_profile_async, set_input_shape and set_tensor_address return False on a refusal
+    (NvInferRuntime.h), which would otherwise surface as a wrong result or a failed enqueue later."""
 
     def __init__(self, context, entry: dict, dtypes: dict):
         self.context, self.entry, self.dtypes = context, entry, dtypes
         self.profile = None
 
+    def _check(self, ok, what: str) -> None:
+        if not ok:
+            raise K2Error(f"{self.entry['kind']}: TensorRT refused {what} (see its log above)")
+
+    def _address(self, name: str, t: torch.Tensor) -> None:
+        ptr = t.data_ptr()
+        if ptr % TENSOR_ALIGNMENT:
+            raise K2Error(f"{self.entry['kind']}: {name} is at an address {ptr % TENSOR_ALIGNMENT} bytes past a "
+                          f"{TENSOR_ALIGNMENT}-byte boundary; TensorRT binds {TENSOR_ALIGNMENT}-byte aligned tensors")
+        self._check(self.context.set_tensor_address(name, ptr), f"the address of {name}")
+
     def bind(self, t: int, inputs: dict, weights: dict, outputs: dict, stream: torch.cuda.Stream) -> None:
         ctx = self.context
         p = profile_index(t)
         if p != self.profile:
-            ctx.set_optimization_profile_async(p, stream.cuda_stream)
+            self._check(ctx.set_optimization_profile_async(p, stream.cuda_stream), f"optimization profile {p}")
             self.profile = p
         for name, x in inputs.items():
             if x.dtype != self.dtypes[name]:
                 raise K2Error(f"{self.entry['kind']}: input {name} is {x.dtype}, the engine takes {self.dtypes[name]}")
-            ctx.set_input_shape(name, tuple(x.shape))
-            ctx.set_tensor_address(name, x.data_ptr())
+            self._check(ctx.set_input_shape(name, tuple(x.shape)), f"shape {tuple(x.shape)} for {name}")
+            self._address(name, x)
         for name, w in weights.items():
-            ctx.set_tensor_address(name, w.data_ptr())
+            self._address(name, w)
         for name, y in outputs.items():
             if tuple(ctx.get_tensor_shape(name)) != tuple(y.shape):
                 raise K2Error(f"{self.entry['kind']}: output {name} is {tuple(ctx.get_tensor_shape(name))} in "
                               f"TensorRT, {tuple(y.shape)} by the manifest")
-            ctx.set_tensor_address(name, y.data_ptr())
+            self._address(name, y)
 
     def enqueue(self, stream: torch.cuda.Stream) -> None:
         if not self.context.execute_async_v3(stream.cuda_stream):
@@ -215,7 +238,7 @@ class TrtBackend:
         caller.wait_stream(self.stream)  # the caller's next work (and frees) come after ours
 
     def _on_device(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return x.to(self.device, dtype or x.dtype).contiguous()
+        return aligned(x.to(self.device, dtype or x.dtype).contiguous())
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         b, t = input_ids.shape
@@ -242,7 +265,9 @@ class TrtBackend:
                   "attention_mask": self._on_device(mask, torch.float32),
                   "latent_cache": latent_cache}
         if self.graphs is not None and t == 1:
-            return self.graphs.run(layer, kind, inputs, w)
+            replayed = self.graphs.run(layer, kind, inputs, w)
+            if replayed is not None:
+                return replayed
         out = self._outputs(kind, {"B": b, "T": t, "P": p}, avoid=inputs["hidden_states"])
         self._run(kind, t, inputs, w, out)
         return out["hidden_states_out"], out["latent_new"]
@@ -257,15 +282,19 @@ class TrtBackend:
 
 
 class DecodeGraphs:
-    """CUDA graphs of decode-step blocks (T == 1), one per layer, replayed instead of re-enqueued.
+    """CUDA graphs of decode-step blocks (T == 1), one per layer, replayed instead of re-enqueued — as trtexec
+    captures them (samples/common/sampleInference.cpp, createEnqueueFunction with --useCudaGraph):
 
-    Correct by construction: every graph has an execution context of its own, bound once before its capture and
-    never again — the guarantee relied on is the one trtexec relies on (samples/common/sampleInference.cpp
-    captures one graph per execution context, after one ordinary enqueue and a stream synchronize, and replays it
-    with the bindings unchanged); no document says a replayed graph is independent of later bindings, so nothing
-    is re-bound. The contexts of one engine share one block of activation memory (created USER_MANAGED,
-    set_device_memory): NvInferRuntime.h forbids only its use by another context *in parallel*, and the graphs
-    replay one after another on one stream (layer 0 → L-1 each step).
+      * every graph has an execution context of its own, bound once before its capture and never again, with its
+        own activation memory (USER_MANAGED, set_device_memory of get_device_memory_size_for_profile_v2(decode)):
+        trtexec gives each graph context its own memory, and nothing in NvInferRuntime.h says replays of several
+        contexts may share one block (setDeviceMemoryV2 forbids only use by a context "running in parallel");
+        the cost is one decode activation block per layer captured (`memory_bytes`);
+      * one ordinary enqueue and a stream synchronize first, so TensorRT's deferred initialization is not captured,
+        then capture in cudaStreamCaptureModeThreadLocal (sampleDevice.h TrtCudaGraph::beginCapture), so other
+        threads' CUDA calls (the server's, torch's) neither break nor are broken by the capture;
+      * a capture that fails — TensorRT's enqueue returns False while capturing when the engine holds something
+        capture does not allow — falls back to plain enqueues, with one warning line, for the rest of the run.
 
     Conditions (why this is off by default):
       * a graph bakes in every address: the batch B, the cache capacity P and each layer's cache buffer must be the
@@ -278,13 +307,19 @@ class DecodeGraphs:
     Unverified without a GPU and TensorRT; compare its output with cuda_graphs=False before relying on it.
     """
 
-    def __init__(self, backend: TrtBackend):
+    def __init__(self, backend: TrtBackend, warn=None):
         self.backend = backend
+        self.warn = warn or (lambda message: warnings.warn(message, RuntimeWarning, stacklevel=3))
         self.key: tuple | None = None  # (B, P) the graphs are for
         self.static: dict[str, torch.Tensor] = {}
-        self.per_layer: dict[int, tuple] = {}  # layer -> (cache data_ptr, context, graph, outputs)
-        self.memory: dict[str, torch.Tensor] = {}  # engine kind -> the activation memory its graph contexts share
+        self.per_layer: dict[int, tuple] = {}  # layer -> (cache data_ptr, context, graph, outputs, memory)
         self.pool = None
+        self.failed: str | None = None  # why capture failed: every decode block then runs plainly
+
+    @property
+    def memory_bytes(self) -> int:
+        """Activation memory held by the captured contexts (one block each)."""
+        return sum(c[4].numel() for c in self.per_layer.values())
 
     def _reset(self, b: int, p: int) -> None:
         be = self.backend
@@ -297,6 +332,9 @@ class DecodeGraphs:
                        "rope_sin": mk(b, 1, half), "attention_mask": mk(b, 1, p + 1, dtype=torch.float32)}
 
     def run(self, layer: int, kind: str, inputs: dict, weights: dict):
+        """The decode block through its graph; None where graphs are off (capture failed): run it plainly."""
+        if self.failed is not None:
+            return None
         be = self.backend
         cache = inputs["latent_cache"]
         b, p = cache.shape[0], cache.shape[1]
@@ -309,7 +347,11 @@ class DecodeGraphs:
                 buf.copy_(inputs[name])
         captured = self.per_layer.get(layer)
         if captured is None or captured[0] != cache.data_ptr():
-            captured = self._capture(layer, kind, cache, weights)
+            try:
+                captured = self._capture(layer, kind, cache, weights)
+            except Exception as e:  # noqa: BLE001 - any failed capture: plain enqueues from now on
+                self._give_up(e)
+                return None
             self.per_layer[layer] = captured
         else:
             with torch.cuda.stream(stream):
@@ -318,12 +360,11 @@ class DecodeGraphs:
         outs = captured[3]
         return outs["hidden_states_out"], outs["latent_new"]
 
-    def _memory(self, engine: Engine) -> torch.Tensor:
-        kind = engine.entry["kind"]
-        if kind not in self.memory:
-            size = max(engine.decode_memory_bytes(), 1)
-            self.memory[kind] = torch.empty(size, dtype=torch.uint8, device=self.backend.device)
-        return self.memory[kind]
+    def _give_up(self, error: Exception) -> None:
+        self.backend.stream.synchronize()
+        self.per_layer, self.static, self.pool = {}, {}, None
+        self.failed = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        self.warn(f"TensorRT: CUDA graph capture failed ({self.failed}); decode runs without CUDA graphs")
 
     def _capture(self, layer: int, kind: str, cache: torch.Tensor, weights: dict) -> tuple:
         be = self.backend
@@ -331,11 +372,12 @@ class DecodeGraphs:
         b, p = self.key
         outs = {name: torch.empty(shape, dtype=engine.dtypes[name], device=be.device)
                 for name, shape in output_shapes(engine.entry, {"B": b, "T": 1, "P": p}).items()}
-        ctx = engine.user_managed_context(be.trt, self._memory(engine))
+        memory = torch.empty(max(engine.decode_memory_bytes(), 1), dtype=torch.uint8, device=be.device)
+        ctx = engine.user_managed_context(be.trt, memory)
         ctx.bind(1, {**self.static, "latent_cache": cache}, weights, outs, be.stream)
         ctx.enqueue(be.stream)  # this step's result, and TensorRT's deferred work done before capture
         be.stream.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=be.stream):
+        with torch.cuda.graph(graph, pool=self.pool, stream=be.stream, capture_error_mode="thread_local"):
             ctx.enqueue(be.stream)
-        return cache.data_ptr(), ctx, graph, outs
+        return cache.data_ptr(), ctx, graph, outs, memory

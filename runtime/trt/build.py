@@ -41,7 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--onnx", type=Path, required=True, help="export directory (written by `k2trt export`)")
     p.add_argument("--out", type=Path, required=True, help="engine directory to write")
     add_profile_arguments(p)
-    p.add_argument("--timing-cache", type=Path, help="TensorRT timing cache to read and update (speeds up rebuilds)")
+    p.add_argument("--timing-cache", type=Path,
+                   help="TensorRT timing cache to read and update (speeds up rebuilds); one file per activation "
+                        "dtype and FP8 mode: FILE.bfloat16-w8a8 and so on (FILE's suffix kept)")
     p.add_argument("--kinds", nargs="+", choices=BLOCK_KINDS, default=list(BLOCK_KINDS), help="build only these engines")
     p.add_argument("--plugins", choices=PLUGIN_MODES, default="aot",
                    help="aot: plugin kernels compiled into the engine, which then runs without Python (default); "
@@ -73,11 +75,18 @@ def build_engines(onnx_dir: Path, out: Path, spec: ProfileSpec, kinds=BLOCK_KIND
     aot = plugins == "aot"
     check_plugin_modes(modes, aot, trt.__version__)
     env = environment.current_environment()
+    refused = environment.check_tensorrt(env["tensorrt_version"], env.get("tensorrt_cuda"),
+                                         environment.driver_cuda_version())
+    if refused:
+        raise K2Error(refused)
     target = configure_aot_target(env) if aot else None
     log(f"TensorRT {env['tensorrt_version']} on {env['gpu_name']} (sm {env['compute_capability']}, driver CUDA "
         f"{env['cuda_driver']}); plugins: {plugins}"
         + (f", PTX {environment.ptx_text(target.ptx_version)}" if target and target.ptx_version else ""))
-    log(f"profiles: prefill T 1..{spec.max_prefill}, decode T 1; B 1..{spec.max_batch}, P 1..{spec.max_seq}")
+    log(f"profiles: prefill T 1..{spec.max_prefill}, decode T 1; B 1..{spec.max_batch}, P 1..{spec.max_capacity}")
+    if timing_cache is not None:
+        timing_cache = timing_cache_file(timing_cache, export["act_dtype"], export.get("activation_quant"))
+        log(f"timing cache: {timing_cache}")
     builder = Builder(trt, spec, timing_cache, verbose, logger)
     engines = {}
     out.mkdir(parents=True, exist_ok=True)
@@ -102,6 +111,18 @@ def build_engines(onnx_dir: Path, out: Path, spec: ProfileSpec, kinds=BLOCK_KIND
     return manifest
 
 
+def timing_cache_file(path: Path, act: str, activation_quant: int | None) -> Path:
+    """The timing cache of one activation dtype and FP8 mode. TensorRT keys a plugin's timings by its name, I/O
+    types, formats and shapes plus the suffix getTimingCacheID() returns, which should carry "other factors
+    determining the creation state of the plugin, such as its attribute values" (NvInferRuntime.h); tensorrt.plugin's
+    AOT plugins return "" (_plugin_class.py _TemplateAOTPlugin.get_timing_cache_id), so a W8A8 and a W8A16 linear —
+    same I/O types — would take each other's timings from a shared cache."""
+    from k2trt.graphs.fp8 import WEIGHT_DEQUANT
+
+    mode = "w8a16" if activation_quant == WEIGHT_DEQUANT else "w8a8"
+    return path.with_name(f"{path.stem}.{act}-{mode}{path.suffix}")
+
+
 def check_plugin_modes(modes: dict[str, str], aot: bool, version: str) -> None:
     """AOT engines need every plugin to have its AOT implementation registered (TensorRT >= 10.9)."""
     from k2trt.runtime.trt.plugins import AOT_PLUGINS_SINCE
@@ -118,7 +139,8 @@ def configure_aot_target(env: dict):
     major, minor = (int(v) for v in env["compute_capability"].split("."))
     arch = major * 10 + minor
     driver = tuple(int(v) for v in env["cuda_driver"].split(".")) if env.get("cuda_driver") else None
-    target = aot.Target(arch, environment.ptx_version_for(driver, environment.triton_ptx_version(arch)))
+    target = aot.Target(arch, environment.ptx_version_for(driver, environment.triton_ptx_version(arch),
+                                                          env.get("tensorrt_cuda")))
     aot.configure(target)
     return target
 

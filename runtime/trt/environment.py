@@ -39,15 +39,49 @@ def require_cuda():
     return torch
 
 
+# TensorRT versions k2trt supports (pyproject.toml's gpu extras say the same): 10.15 is the first whose
+# tensorrt.plugin resets SymIntExpr._exprBuilder after each shape call (_plugin_class.py get_output_shapes and
+# get_launch_params, v10.15), which MoeAlign's [E + 1] output relies on; 11.x is checked against the stand-in
+# (its tensorrt.plugin is 10.16's, its network flags moved: runtime/trt/build.network_flags).
+TENSORRT_SUPPORTED = ((10, 15), (12, 0))  # [first, first unsupported)
+
+
+def tensorrt_wheel_cuda() -> int | None:
+    """The CUDA major version the installed TensorRT wheel is built for, from its distribution's name (TensorRT's
+    python/packaging/tensorrt_build_backend: tensorrt_cu{major}, _bindings, _libs); None if it cannot tell."""
+    import re
+    from importlib import metadata
+
+    for dist in metadata.distributions():
+        m = re.fullmatch(r"tensorrt[-_]cu(\d+)(?:[-_](?:bindings|libs))?", (dist.metadata["Name"] or "").lower())
+        if m:
+            return int(m.group(1))
+    return None
+
+
 def current_environment(device: int = 0) -> dict:
     """TensorRT version, GPU and driver of this process (imports TensorRT and initializes CUDA)."""
     trt = import_tensorrt()
     torch = require_cuda()
     major, minor = torch.cuda.get_device_capability(device)
     driver = driver_cuda_version()
-    return {"tensorrt_version": trt.__version__, "gpu_name": torch.cuda.get_device_name(device),
-            "compute_capability": f"{major}.{minor}",
+    return {"tensorrt_version": trt.__version__, "tensorrt_cuda": tensorrt_wheel_cuda(),
+            "gpu_name": torch.cuda.get_device_name(device), "compute_capability": f"{major}.{minor}",
             "cuda_driver": None if driver is None else f"{driver[0]}.{driver[1]}"}
+
+
+def check_tensorrt(version: str, wheel_cuda: int | None, driver: tuple[int, int] | None) -> str | None:
+    """Why this TensorRT cannot serve k2trt here (one line), or None: its version in TENSORRT_SUPPORTED, and a
+    wheel built for a CUDA no newer than the driver (a cu13 TensorRT needs a CUDA 13 driver; a cu12 one runs on
+    12.x and 13.x drivers)."""
+    (lo, hi), v = TENSORRT_SUPPORTED, tuple(int(x) for x in version.split(".")[:2])
+    if not lo <= v < hi:
+        return (f"TensorRT {version} is outside what k2trt supports (>= {lo[0]}.{lo[1]}, < {hi[0]}); "
+                f"pip install 'tensorrt-cu12>={lo[0]}.{lo[1]},<{hi[0]}' or 'tensorrt-cu13...'")
+    if wheel_cuda is not None and driver is not None and wheel_cuda > driver[0]:
+        return (f"TensorRT is built for CUDA {wheel_cuda} (tensorrt-cu{wheel_cuda}) but the driver is CUDA "
+                f"{driver[0]}.{driver[1]}: make install EXTRAS=gpu picks tensorrt-cu{driver[0]} for this driver")
+    return None
 
 
 # ---- the PTX an AOT plugin may carry ------------------------------------------------------------------------
@@ -93,11 +127,17 @@ def triton_ptx_version(arch: int) -> int | None:
         return None
 
 
-def ptx_version_for(driver: tuple[int, int] | None, ptxas: int | None) -> int | None:
-    """The PTX ISA to emit: no newer than the driver loads nor than the ptxas Triton compiles with can check.
-    (TensorRT JIT-compiles a plugin's PTX when the engine is loaded; tensorrt.plugin reports no CUDA version of
-    its own, so the driver's is the binding limit.)"""
-    limits = [v for v in (None if driver is None else max_ptx_for_cuda(*driver), ptxas) if v is not None]
+# The newest CUDA minor of each major, whose PTX ISA caps a TensorRT wheel built for that major (12.9: PTX 8.8).
+LAST_MINOR = {12: 9}
+
+
+def ptx_version_for(driver: tuple[int, int] | None, ptxas: int | None, wheel_cuda: int | None = None) -> int | None:
+    """The PTX ISA to emit: no newer than the driver loads, than the ptxas Triton compiles with can check, nor —
+    while it is not known who JIT-compiles a plugin's PTX when TensorRT loads the engine (the driver, or a PTX
+    compiler inside TensorRT's own libraries) — than the newest CUDA of the TensorRT wheel's major can (a cu12
+    TensorRT: PTX 8.8, even on a CUDA 13 driver that loads 9.x)."""
+    wheel = max_ptx_for_cuda(wheel_cuda, LAST_MINOR[wheel_cuda]) if wheel_cuda in LAST_MINOR else None
+    limits = [v for v in (None if driver is None else max_ptx_for_cuda(*driver), ptxas, wheel) if v is not None]
     return min(limits) if limits else None
 
 

@@ -84,21 +84,21 @@ class PluginSpec:
 
 
 def plugin_specs() -> dict[str, PluginSpec]:
-    """op_type -> PluginSpec, for every node of the TensorRT-bound graphs."""
-    from k2trt.runtime.kernels.fp8_linear import LINEAR_TACTIC_ROWS
-    from k2trt.runtime.kernels.moe import GEMM_TACTICS
+    """op_type -> PluginSpec, for every node of the TensorRT-bound graphs (tactics: runtime/trt/aot_nodes.py)."""
+    from k2trt.runtime.trt.aot_nodes import AOT_NODES
 
-    tactics = {"Fp8BlockLinear": tuple(LINEAR_TACTIC_ROWS), "MoeGateUp": tuple(GEMM_TACTICS),
-               "MoeDown": tuple(GEMM_TACTICS)}
-    return {c.op_type: PluginSpec(c, tactics.get(c.op_type, ())) for c in contracts.TENSORRT}
+    return {c.op_type: PluginSpec(c, AOT_NODES[c.op_type].tactics) for c in contracts.TENSORRT}
 
 
 # ---- attributes, types, shapes ---------------------------------------------------------------------------
 
 def attribute(value) -> int | float | str:
-    """A plugin attribute as TensorRT hands it over (a 1-element array for int and float) -> the Python value."""
+    """A plugin attribute as TensorRT hands it over (a 1-element array for int and float) -> the Python value.
+    A STRING attribute arrives with its NUL terminator: the parser copies it as a C string (onnx-tensorrt
+    onnxOpImporters.cpp copyField(std::string): `push_back('\\0')`, length included) and the creator decodes every
+    byte (_lib.py create_plugin: `f.data.tobytes().decode("utf-8")`)."""
     if isinstance(value, str):
-        return value
+        return value[:-1] if value.endswith("\0") else value
     flat = np.asarray(value).reshape(-1)
     if flat.size != 1:
         raise ValueError(f"expected a single-value plugin attribute, got {flat.size} values")
@@ -272,6 +272,20 @@ def _constant(expr, what: str) -> int:
     return int(expr.constant_value())
 
 
+def _node_launch(op_type: str, descs: dict, attrs: dict, act: str | None, tactic):
+    """The launch runtime/trt/aot_nodes.py's row makes for this node: static sizes read from its input
+    descriptors' constant dims and its attributes."""
+    from k2trt.runtime.trt.aot_nodes import AOT_NODES
+
+    def dim(name, axis):
+        d = descs[name]
+        return _constant(d.shape_expr[axis if axis >= 0 else d.ndim + axis], f"{name} dim {axis}")
+
+    row = AOT_NODES[op_type]
+    aq = int(attribute(attrs["activation_quant"])) if "activation_quant" in attrs else contracts.W8A8
+    return row.launch(act, aq, int(tactic), row.sizes_of(dim, lambda a: int(attribute(attrs[a]))))
+
+
 def _rows(desc):
     """B·T of a [B, T, ...] tensor as a shape expression."""
     return _product([desc.shape_expr[i] for i in range(desc.ndim - 1)])
@@ -290,16 +304,16 @@ def fp8_block_linear_impl(x, weight, weight_scale_inv, activation_quant, outputs
     from k2trt.runtime.kernels.fp8_linear import fp8_block_linear, tactic_config
 
     n, k = weight.shape[0], weight.shape[1]
+    aq = attribute(activation_quant)
     with _on_stream(stream):
-        fp8_block_linear(as_torch(x), as_torch(weight), as_torch(weight_scale_inv), attribute(activation_quant),
-                         out=as_torch(outputs[0]), config=tactic_config(int(tactic), n, k))
+        xt = as_torch(x)
+        fp8_block_linear(xt, as_torch(weight), as_torch(weight_scale_inv), aq, out=as_torch(outputs[0]),
+                         config=tactic_config(int(tactic), n, k, xt.dtype, aq))
 
 
 def fp8_block_linear_aot_impl(x, weight, weight_scale_inv, activation_quant, outputs, tactic):
-    from k2trt.runtime.trt import aot_linear
-
-    n, k = (_constant(weight.shape_expr[i], f"weight dim {i}") for i in (0, 1))
-    launch = aot_linear.linear_launch(our_dtype(x.dtype), n, k, attribute(activation_quant), int(tactic))
+    launch = _node_launch("Fp8BlockLinear", {"weight": weight}, {"activation_quant": activation_quant},
+                          our_dtype(x.dtype), tactic)
     rows = _rows(x)
     return _aot_launch(launch, lambda p: (p.grid_x(rows), 1), (rows,))  # extra: the kernel's M
 
@@ -321,10 +335,8 @@ def moe_align_impl(topk_ids, num_experts, outputs, stream):
 
 
 def moe_align_aot_impl(topk_ids, num_experts, outputs, tactic):
-    from k2trt.runtime.trt.aot_moe import AlignLaunch
-
     pairs = _product(list(topk_ids.shape_expr))
-    return _moe_aot(AlignLaunch(attribute(num_experts)), pairs, None)
+    return _moe_aot(_node_launch("MoeAlign", {}, {"num_experts": num_experts}, None, tactic), pairs, None)
 
 
 # MoeGateUp
@@ -353,10 +365,8 @@ def moe_gate_up_impl(x, sorted_pairs, expert_offsets, gate_weight, gate_scale_in
 
 def moe_gate_up_aot_impl(x, sorted_pairs, expert_offsets, gate_weight, gate_scale_inv, up_weight, up_scale_inv,
                          activation_quant, outputs, tactic):
-    from k2trt.runtime.trt.aot_moe import gemm_launch
-
-    e, inter, d = (_constant(gate_weight.shape_expr[i], f"gate_weight dim {i}") for i in range(3))
-    launch = gemm_launch("gate_up", e, inter, d, our_dtype(x.dtype), attribute(activation_quant), int(tactic))
+    launch = _node_launch("MoeGateUp", {"gate_weight": gate_weight}, {"activation_quant": activation_quant},
+                          our_dtype(x.dtype), tactic)
     return _moe_aot(launch, sorted_pairs.shape_expr[0], _rows(x))
 
 
@@ -384,11 +394,8 @@ def moe_down_impl(h, h_scale, sorted_pairs, expert_offsets, down_weight, down_sc
 
 def moe_down_aot_impl(h, h_scale, sorted_pairs, expert_offsets, down_weight, down_scale_inv, activation_quant,
                       out_dtype, outputs, tactic):
-    from k2trt.runtime.trt.aot_moe import gemm_launch
-
-    e, d, inter = (_constant(down_weight.shape_expr[i], f"down_weight dim {i}") for i in range(3))
     act = BY_ONNX[int(attribute(out_dtype))].name
-    launch = gemm_launch("down", e, d, inter, act, attribute(activation_quant), int(tactic))
+    launch = _node_launch("MoeDown", {"down_weight": down_weight}, {"activation_quant": activation_quant}, act, tactic)
     return _moe_aot(launch, h.shape_expr[0], None)
 
 
@@ -410,11 +417,9 @@ def moe_combine_impl(pair_out, topk_weights, outputs, stream):
 
 
 def moe_combine_aot_impl(pair_out, topk_weights, outputs, tactic):
-    from k2trt.runtime.trt.aot_moe import CombineLaunch
-
-    d = _constant(pair_out.shape_expr[1], "pair_out dim 1")
-    k = _constant(topk_weights.shape_expr[topk_weights.ndim - 1], "top-k")
-    return _moe_aot(CombineLaunch(d, k, our_dtype(pair_out.dtype)), None, _rows(topk_weights))
+    launch = _node_launch("MoeCombine", {"pair_out": pair_out, "topk_weights": topk_weights}, {},
+                          our_dtype(pair_out.dtype), tactic)
+    return _moe_aot(launch, None, _rows(topk_weights))
 
 
 # op_type -> (register, impl, autotune, aot_impl)

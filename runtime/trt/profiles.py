@@ -1,7 +1,8 @@
 """TensorRT optimization profiles, computed from the export manifest's symbolic shapes (no TensorRT needed).
 
 Every graph gets two profiles, in this order (the runtime selects them by index):
-  0 "prefill": T in 1..max_prefill (tuned for opt_prefill), B in 1..max_batch, P in 1..max_seq;
+  0 "prefill": T in 1..max_prefill (tuned for opt_prefill), B in 1..max_batch, P in 1..max_seq rounded up to a
+     multiple of 16 (the runtime's capacity steps: contract.CAPACITY_MULTIPLE);
   1 "decode":  T = 1, the same B and P ranges — decode kernels get their own tactics.
 P is the cache capacity: the runtime hands the whole preallocated cache to every block, so P >= T always and
 "P+T" (the keys) is evaluated from the P and T ranges. Weights have static shapes and need no profile entry.
@@ -14,6 +15,7 @@ import ast
 from dataclasses import asdict, dataclass
 
 from k2trt.errors import K2Error
+from k2trt.runtime.backends.contract import round_capacity
 
 PROFILE_NAMES = ("prefill", "decode")
 PREFILL, DECODE = 0, 1  # profile indices, in engine order
@@ -52,7 +54,13 @@ class ProfileSpec:
         if profile not in PROFILE_NAMES:
             raise ProfileError(f"unknown profile {profile!r}; expected one of {PROFILE_NAMES}")
         t = (1, self.opt_prefill, self.max_prefill) if profile == "prefill" else (1, 1, 1)
-        return {"B": (1, self.opt_batch, self.max_batch), "T": t, "P": (1, self.opt_seq, self.max_seq)}
+        return {"B": (1, self.opt_batch, self.max_batch), "T": t, "P": (1, self.opt_seq, self.max_capacity)}
+
+    @property
+    def max_capacity(self) -> int:
+        """The largest cache capacity P a call may have: --max-seq rounded up to whole capacity steps (the runtime's
+        capacities are multiples of contract.CAPACITY_MULTIPLE, so cache slot views stay 256-byte aligned)."""
+        return round_capacity(self.max_seq)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -167,6 +175,6 @@ def check_call_shape(spec: ProfileSpec, batch: int, t: int, capacity: int) -> No
         raise K2Error(f"batch {batch} is outside the engines' range 1..{spec.max_batch} (rebuild with --max-batch)")
     if not 1 <= t <= spec.max_prefill:
         raise K2Error(f"{t} new positions exceed the engines' --max-prefill {spec.max_prefill}")
-    if not 1 <= capacity <= spec.max_seq:
+    if not 1 <= capacity <= spec.max_capacity:
         raise K2Error(f"cache capacity {capacity} exceeds the engines' --max-seq {spec.max_seq} "
                       "(rebuild with a larger --max-seq or shorten the request)")

@@ -1,0 +1,248 @@
+"""`python -m k2trt.tools.aot_configs`: compile every distinct AOT configuration the plugins can ask for, for a GPU
+architecture, on a CPU (Triton's compiler and its bundled ptxas; no GPU, no TensorRT).
+
+The launches are those of the plugin nodes in the TensorRT-bound graphs (every node kind, every activation dtype,
+both FP8 modes, the tiny and K2 configs — K2 also in expert ranges —, every tactic) and of `k2trt doctor`'s
+one-node cases, each made by the
+plugins' own table (runtime/trt/aot_nodes.py). Launches that compile to the same code (aot.config_key) are
+compiled once. For each: the configuration compile_launch settles on (it shrinks until the shared memory fits
+aot.AOT_SHARED_LIMIT), its shared memory, and ptxas' registers and spills, which must fit the register file with
+no spill. `--json FILE` writes the results (tests/test_aot_compile.py reads them); the exit status is 1 if any
+configuration does not fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+from k2trt.config import K2Config
+from k2trt.graphs import contracts
+from k2trt.graphs.fp8 import PER_TOKEN_GROUP, WEIGHT_DEQUANT
+
+ARCH = 90  # Hopper (H100 / H200): K2's FP8 kernels need sm_89+, and sm_90 is what the project targets
+PTX = 88  # the PTX ISA a CUDA 12.9 driver loads, the newest a cu12 TensorRT is known to take (environment.py)
+CONFIGS = ("tiny", "kimi-k2")
+MODES = (WEIGHT_DEQUANT, PER_TOKEN_GROUP)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One launch a plugin node would ask for: where it comes from, and the launch."""
+    source: str  # "tiny moe_block", "doctor case", ...
+    op_type: str
+    tactic: int
+    launch: object
+
+    @property
+    def label(self) -> str:
+        return f"{self.source}: {self.op_type} {self.launch.label} tactic {self.tactic}"
+
+
+def node_requests(source: str, op_type: str, act: str | None, aq: int, sizes: dict) -> list[Request]:
+    from k2trt.runtime.trt.aot_nodes import AOT_NODES
+
+    row = AOT_NODES[op_type]
+    return [Request(source, op_type, t, row.launch(act, aq, t, sizes)) for t in row.every_tactic()]
+
+
+def graph_requests(cfg_name: str, act: str, aq: int, expert_ranges: int = 1) -> list[Request]:
+    """Every launch of every plugin node in a config's TensorRT-bound graphs (export/split_moe form, with its
+    routed experts in `expert_ranges` ranges)."""
+    import onnx
+
+    from k2trt.dtypes import BY_ONNX
+    from k2trt.export.block_graphs import build_block_graph
+    from k2trt.export.onnx_ops import dims, value_types
+    from k2trt.export.split_moe import split_moe
+    from k2trt.runtime.trt.aot_nodes import AOT_NODES
+    from k2trt.runtime.trt.plugins import check_input_dtypes
+
+    cfg = K2Config.preset(cfg_name)
+    out = []
+    source = cfg_name + ("" if expert_ranges == 1 else f" in {expert_ranges} expert ranges")
+    for kind in ("dense_block", "moe_block") if expert_ranges == 1 else ("moe_block",):  # no plugin elsewhere
+        model = split_moe(build_block_graph(cfg, kind, act, aq), expert_ranges)
+        types = value_types(model)
+        for node in model.graph.node:
+            if node.domain != contracts.NAMESPACE:
+                continue
+            ports = [p.name for p in contracts.CONTRACTS[node.op_type].inputs]
+            shapes = {p: dims(types[v]) for p, v in zip(ports, node.input)}
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            sizes = AOT_NODES[node.op_type].sizes_of(lambda i, axis: shapes[i][axis], attrs.__getitem__)
+            node_act = check_input_dtypes(node.op_type, [BY_ONNX[types[v].elem_type].name for v in node.input],
+                                          attrs)
+            out += node_requests(f"{source} {kind}", node.op_type, node_act, aq, sizes)
+    return out
+
+
+def case_requests(act: str, aq: int) -> list[Request]:
+    """The launches of `k2trt doctor`'s one-node cases (k2trt/tools/plugin_cases.py), sizes as the plugins read
+    them from the cases' inputs."""
+    from k2trt.tools.plugin_cases import node_cases
+
+    out = []
+    for case in node_cases(act, aq):
+        out += node_requests("doctor case", case.op_type, case_activation(case), aq, case_sizes(case))
+    return out
+
+
+def case_activation(case) -> str | None:
+    return None if case.op_type == "MoeAlign" else case.act
+
+
+def case_sizes(case) -> dict:
+    from k2trt.runtime.trt.aot_nodes import AOT_NODES
+
+    return AOT_NODES[case.op_type].sizes_of(lambda i, axis: int(case.inputs[i].shape[axis]), case.attrs.__getitem__)
+
+
+# K2's fallback for a TensorRT that refuses plugin inputs over 2^31 elements (export --expert-ranges 3); doctor's
+# K2-size cases (plugin_cases.large_case: 384 experts and one range of 128) have these graphs' sizes
+RANGED = {"kimi-k2": 3}
+
+
+def all_requests(configs=CONFIGS, dtypes=contracts.ACTIVATION_DTYPES, modes=MODES, cases: bool = True):
+    out = []
+    for act in dtypes:
+        for aq in modes:
+            for name in configs:
+                out += graph_requests(name, act, aq)
+                if name in RANGED:
+                    out += graph_requests(name, act, aq, RANGED[name])
+            if cases:
+                out += case_requests(act, aq)
+    return out
+
+
+def distinct(requests: list[Request]) -> dict[tuple, Request]:
+    """One request per compiled configuration (the first met), by aot.config_key."""
+    out: dict[tuple, Request] = {}
+    for r in requests:
+        out.setdefault(r.launch.config_key(), r)
+    return out
+
+
+# ---- compiling (in worker processes: TRITON_INTERPRET must be off before triton is imported) ---------------------
+
+def launch_dict(launch) -> dict:
+    return {"type": type(launch).__name__, **dataclasses.asdict(launch)}
+
+
+def launch_from_dict(d: dict):
+    from k2trt.runtime.trt import aot_linear, aot_moe
+
+    classes = {c.__name__: c for c in (aot_linear.LinearLaunch, aot_moe.GemmLaunch, aot_moe.AlignLaunch,
+                                       aot_moe.CombineLaunch)}
+    fields = dict(d)
+    return classes[fields.pop("type")](**fields)
+
+
+def compile_one(launch, arch: int = ARCH, ptx: int | None = PTX) -> dict:
+    """Compile a launch as `k2trt build` would (shrinking to fit), then ptxas -v the PTX it hands TensorRT."""
+    from k2trt.runtime.trt import aot
+
+    t0 = time.perf_counter()
+    result = {"requested": launch_dict(launch)}
+    try:
+        chosen, kernel = aot.compile_launch(launch, aot.Target(arch, ptx))
+        usage = aot.ptxas_usage(kernel.ptx, arch)
+        problems = usage.fits(kernel.block_x)
+        result.update(chosen=launch_dict(chosen), shared=kernel.shared, threads=kernel.block_x,
+                      registers=usage.registers, spill_stores=usage.spill_stores, spill_loads=usage.spill_loads,
+                      error="; ".join(problems) or None)
+    except Exception as e:  # noqa: BLE001 - every configuration is reported, then the run fails
+        result.update(chosen=None, error=f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
+    result["seconds"] = round(time.perf_counter() - t0, 2)
+    return result
+
+
+def _compile_dict(args) -> dict:
+    return compile_one(launch_from_dict(args[0]), *args[1:])
+
+
+def compile_all(launches: list, workers: int = 2, arch: int = ARCH, ptx: int | None = PTX, log=None) -> list[dict]:
+    """compile_one for every launch, on `workers` processes (each compile is one core's work)."""
+    import multiprocessing
+
+    jobs = [(launch_dict(x), arch, ptx) for x in launches]
+    if workers <= 1:
+        results = [_compile_dict(j) for j in jobs]
+    else:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            results = list(pool.map(_compile_dict, jobs))
+    if log:
+        for r in results:
+            log(result_line(r))
+    return results
+
+
+def results_by_key(results: list[dict]) -> dict[tuple, dict]:
+    """Results indexed by the compiled configuration of the launch each was compiled for."""
+    return {launch_from_dict(r["requested"]).config_key(): r for r in results}
+
+
+TILE_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
+
+
+def compiled_like(launch, result: dict):
+    """`launch` shrunk as compile_launch shrank the configuration `result` was compiled for (the shrinking depends
+    on the configuration alone), so a launch of other sizes in that configuration needs no compile of its own."""
+    chosen = result["chosen"]
+    if chosen is None:
+        raise ValueError(f"{launch.label}: {result['error']}")
+    return dataclasses.replace(launch, **{f: chosen[f] for f in TILE_FIELDS if f in chosen and f in
+                                          {x.name for x in dataclasses.fields(launch)}})
+
+
+def result_line(r: dict) -> str:
+    req = r["requested"]
+    what = (f"{req['type']} {req.get('act')} aq{req.get('activation_quant')} "
+            f"BM{req.get('block_m')} BN{req.get('block_n')} w{req.get('num_warps')} s{req.get('num_stages')}")
+    if r["chosen"] is None:
+        return f"{what}: FAIL {r['error']}"
+    c = r["chosen"]
+    got = (f"-> BM{c.get('block_m')} BN{c.get('block_n')} BK{c.get('block_k', 128)} s{c.get('num_stages')}: "
+           f"{r['shared']} B shared, {r['registers']} regs x {r['threads']}, spills {r['spill_stores']}/"
+           f"{r['spill_loads']} B, {r['seconds']} s")
+    return f"{what} {got}" + (f"  FAIL {r['error']}" if r["error"] else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m k2trt.tools.aot_configs", description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", help="write every configuration's result here")
+    p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    p.add_argument("--dtypes", nargs="+", default=list(contracts.ACTIVATION_DTYPES),
+                   choices=contracts.ACTIVATION_DTYPES)
+    args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("aot_configs: compiles for the GPU; run it without TRITON_INTERPRET=1", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    requests = all_requests(args.configs, args.dtypes)
+    unique = distinct(requests)
+    print(f"{len(requests)} launches, {len(unique)} distinct configurations; compiling for sm_{ARCH} "
+          f"on {args.workers} processes", flush=True)
+    results = compile_all([r.launch for r in unique.values()], args.workers, log=lambda s: print(s, flush=True))
+    for r, req in zip(results, unique.values()):
+        r["first_request"] = req.label
+    failed = [r for r in results if r["error"]]
+    if args.json:
+        from k2trt.atomic import atomic_write_text
+
+        atomic_write_text(args.json, json.dumps({"arch": ARCH, "ptx": PTX, "results": results}, indent=1))
+    print(f"{len(results) - len(failed)} of {len(results)} configurations fit "
+          f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

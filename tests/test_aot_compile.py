@@ -1,0 +1,89 @@
+"""Every distinct AOT configuration the plugins can ask TensorRT for, compiled for sm_90 on the CPU (Triton's
+compiler and bundled ptxas, no GPU): every node kind of runtime/trt/aot_nodes.py, float32 / bfloat16 / float16,
+W8A16 and W8A8, the tiny and K2 graphs and k2trt doctor's cases, every tactic. Each must fit the 48 KiB of shared
+memory an AOT launch gets and the register file, without a spill. The interpreter's emulation cannot see either
+(a compile is needed), which is how MoeGateUp float32 W8A16 once needed 73,728 B and failed every doctor run.
+
+The compiles run once per session (conftest.aot_compiled: k2trt/tools/aot_configs.py, two processes); launches
+that compile to the same code are compiled once (aot.config_key)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from k2trt.graphs import contracts
+from k2trt.runtime.trt import aot
+from k2trt.runtime.trt.aot_nodes import AOT_NODES
+from k2trt.tools import aot_configs as AC
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_table_covers_every_plugin_node_kind_dtype_mode_and_config():
+    requests = AC.all_requests()
+    kinds = {(r.op_type, getattr(r.launch, "act", None), getattr(r.launch, "activation_quant", None))
+             for r in requests}
+    for op in AOT_NODES:
+        for act in contracts.ACTIVATION_DTYPES:
+            for aq in AC.MODES:
+                want = {"MoeAlign": (op, None, None), "MoeCombine": (op, act, None)}.get(op, (op, act, aq))
+                assert want in kinds, want
+    assert set(AOT_NODES) == {c.op_type for c in contracts.TENSORRT}
+    assert {r.source.split()[0] for r in requests} == {"tiny", "kimi-k2", "doctor"}
+    # every tactic of every node is asked for
+    for op, row in AOT_NODES.items():
+        assert {r.tactic for r in requests if r.op_type == op} == set(row.every_tactic())
+
+
+def test_every_distinct_configuration_fits_shared_memory_and_registers(aot_compiled):
+    results, log, seconds = aot_compiled
+    unique = AC.distinct(AC.all_requests())
+    by_key = AC.results_by_key(results)
+    assert set(by_key) == set(unique), "the compile run and the table disagree on the configurations"
+    bad = [AC.result_line(r) + f"  [{r['first_request']}]" for r in results if r["error"]]
+    assert not bad, "\n".join(bad)
+    for r in results:
+        assert 0 <= r["shared"] <= aot.AOT_SHARED_LIMIT, AC.result_line(r)
+        assert r["registers"] <= aot.MAX_REGISTERS_PER_THREAD, AC.result_line(r)
+        assert r["registers"] * r["threads"] <= aot.REGISTERS_PER_BLOCK, AC.result_line(r)
+        assert r["spill_stores"] == r["spill_loads"] == 0, AC.result_line(r)
+    print(f"{len(results)} configurations compiled in {seconds:.0f} s")
+
+
+def test_moe_gate_up_fp32_w8a16_fits_after_the_tiling_fix(aot_compiled):
+    """The issue's certain failure: every MoeGateUp float32 W8A16 tactic now compiles within 48 KiB, unspilled, at
+    the FMA K step."""
+    from k2trt.runtime.kernels.fp8_linear import FMA_BLOCK_K
+
+    results, _, _ = aot_compiled
+    gate_up = [r for r in results if r["requested"].get("stage") == "gate_up"
+               and r["requested"]["act"] == "float32" and r["requested"]["activation_quant"] == 0]
+    assert gate_up and all(r["error"] is None for r in gate_up)
+    assert {r["chosen"]["block_k"] for r in gate_up} == {FMA_BLOCK_K}
+    assert {r["chosen"]["block_m"] for r in gate_up} == {16, 32, 64}  # no tactic lost its height
+
+
+def test_the_old_tiling_does_not_fit():
+    """What the fix changed: at K steps of 128 (the tiling before it) even the smallest MoeGateUp float32 W8A16
+    configuration — 16 rows, one stage — needs 73,728 B of shared memory, so compile_launch finds none."""
+    code = textwrap.dedent("""
+        from dataclasses import replace
+        from k2trt.runtime.trt import aot, aot_moe
+        launch = replace(aot_moe.gemm_launch("gate_up", 384, 2048, 7168, "float32", 0, 1), block_k=128)
+        smallest = replace(launch, num_stages=1)
+        print("smallest", aot._compile(smallest, aot.Target(90, 88))[3])
+        try:
+            aot.compile_launch(launch, aot.Target(90, 88))
+        except ValueError as e:
+            print("refused:", e)
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "smallest 73728" in r.stdout
+    assert "refused: moe_gate_up_384x2048x7168: no tile config fits in 48 KiB" in r.stdout
