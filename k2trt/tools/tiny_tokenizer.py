@@ -16,7 +16,7 @@ from pathlib import Path
 
 from k2trt.atomic import atomic_write_text
 from k2trt.errors import K2Error
-from k2trt.runtime.text.tokenizer import CONFIG_FILE, NUM_RESERVED_SPECIAL, RANKS_FILE, reserved_name
+from k2trt.runtime.text.tokenizer import CONFIG_FILE, NUM_RESERVED_SPECIAL, RANKS_FILE, TEMPLATE_FILE, reserved_name
 
 # Kimi K2's named special ids, as offsets from the number of base tokens; the rest are reserved slots.
 SPECIAL_OFFSETS = {
@@ -58,6 +58,71 @@ CHAT_TEMPLATE = """\
 <|im_assistant|>assistant<|im_middle|>
 {%- endif -%}
 """
+
+# The thinking releases (K2-Thinking, K2.5) add <think> and </think> as special tokens and ship their template as
+# chat_template.jinja. The model thinks between them before it answers; an assistant turn of an earlier round keeps
+# an empty <think></think> (its reasoning is dropped), the turns of the current round (after the last user message)
+# keep their reasoning_content. K2-Thinking's generation prompt leaves the opening <think> to the model; K2.5 opens
+# it in thinking mode (the default) and closes it at once when chat_template_kwargs say {"thinking": false}.
+THINK_OFFSETS = {22: "<think>", 23: "</think>"}
+
+_THINKING_BODY = """\
+{%- if not messages or messages[0]['role'] != 'system' -%}
+<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>
+{%- endif -%}
+{%- set ns = namespace(last_user=-1) -%}
+{%- for message in messages -%}
+  {%- if message['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
+{%- endfor -%}
+{%- for message in messages -%}
+  {%- set role = message['role'] -%}
+  {%- if role == 'user' -%}
+<|im_user|>
+  {%- elif role == 'assistant' -%}
+<|im_assistant|>
+  {%- else -%}
+<|im_system|>
+  {%- endif -%}
+{{- message.get('name') or role -}}
+<|im_middle|>
+  {%- if role == 'assistant' -%}
+    {%- if loop.index0 > ns.last_user and message.get('reasoning_content') -%}
+<think>{{- message['reasoning_content'] -}}</think>
+    {%- else -%}
+<think></think>
+    {%- endif -%}
+  {%- endif -%}
+  {%- set content = message.get('content') -%}
+  {%- if content is string -%}
+{{- content -}}
+  {%- elif content is iterable -%}
+    {%- for part in content -%}
+      {%- if part['type'] == 'text' -%}
+{{- part['text'] -}}
+      {%- endif -%}
+    {%- endfor -%}
+  {%- endif -%}
+<|im_end|>
+{%- endfor -%}
+"""
+THINKING_TEMPLATE = _THINKING_BODY + """\
+{%- if add_generation_prompt -%}
+<|im_assistant|>assistant<|im_middle|>
+{%- endif -%}
+"""
+K25_TEMPLATE = _THINKING_BODY + """\
+{%- if add_generation_prompt -%}
+<|im_assistant|>assistant<|im_middle|>
+  {%- if thinking is defined and not thinking -%}
+<think></think>
+  {%- else -%}
+<think>
+  {%- endif -%}
+{%- endif -%}
+"""
+# flavor -> (extra named specials, template, whether the template is its own file)
+FLAVORS = {"k2": ({}, CHAT_TEMPLATE, False), "thinking": (THINK_OFFSETS, THINKING_TEMPLATE, True),
+           "k2.5": (THINK_OFFSETS, K25_TEMPLATE, True)}
 
 # Training text: varied enough that multi-byte UTF-8 (accents, Han, emoji) gets merged into tokens.
 CORPUS = """\
@@ -237,12 +302,16 @@ def _json(obj: dict) -> str:
     return json.dumps(obj, indent=2, ensure_ascii=False) + "\n"
 
 
-def write_tiny_tokenizer(out_dir: Path, num_base_tokens: int, *, model_max_length: int = 131072) -> None:
+def write_tiny_tokenizer(out_dir: Path, num_base_tokens: int, *, model_max_length: int = 131072,
+                         flavor: str = "k2") -> None:
+    """The tokenizer files of a release's flavor (FLAVORS): K2's, or a thinking release's (<think> tokens, the
+    thinking template in chat_template.jinja)."""
     out_dir = Path(out_dir)
+    extra, template, template_file = FLAVORS[flavor]
     vocab = train_bpe(CORPUS, num_base_tokens)
     ranks_text = "".join(f"{base64.b64encode(tok).decode('ascii')} {rank}\n" for rank, tok in enumerate(vocab))
 
-    names = {num_base_tokens + off: name for off, name in SPECIAL_OFFSETS.items()}
+    names = {num_base_tokens + off: name for off, name in {**SPECIAL_OFFSETS, **extra}.items()}
     decoder = {str(i): _added_token(names.get(i, reserved_name(i)))
                for i in range(num_base_tokens, num_base_tokens + NUM_RESERVED_SPECIAL)}
     named = [name for name in names.values() if name not in ("[BOS]", "[EOS]", "[PAD]", "[UNK]")]
@@ -251,7 +320,7 @@ def write_tiny_tokenizer(out_dir: Path, num_base_tokens: int, *, model_max_lengt
         "additional_special_tokens": named,
         "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
         "bos_token": "[BOS]",
-        "chat_template": CHAT_TEMPLATE,
+        **({} if template_file else {"chat_template": template}),
         "clean_up_tokenization_spaces": False,
         "eos_token": "[EOS]",
         "model_max_length": model_max_length,
@@ -269,3 +338,5 @@ def write_tiny_tokenizer(out_dir: Path, num_base_tokens: int, *, model_max_lengt
     atomic_write_text(out_dir / RANKS_FILE, ranks_text)
     atomic_write_text(out_dir / CONFIG_FILE, _json(config))
     atomic_write_text(out_dir / "special_tokens_map.json", _json(special_map))
+    if template_file:
+        atomic_write_text(out_dir / TEMPLATE_FILE, template)
