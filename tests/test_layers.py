@@ -19,7 +19,7 @@ LAYERS = [
               "k2trt.dirlock"]),
     ("config", ["k2trt.config", "k2trt.quantization"]),
     ("graphs", ["k2trt.graphs"]),
-    ("checkpoint", ["k2trt.safetensors_io", "k2trt.checkpoint", "k2trt.checkpoint_writer"]),
+    ("checkpoint", ["k2trt.safetensors_io", "k2trt.checkpoint", "k2trt.checkpoint_writer", "k2trt.hub"]),
     ("artifacts", ["k2trt.export_manifest"]),
     ("export", ["k2trt.export"]),
     # the runtime's rooms, one way too: kernels, the backend contract, TensorRT, the other backends and their

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from k2trt.config import K2Config
 from k2trt.errors import K2Error
+from k2trt.hub import model_dir
 from k2trt.graphs.weights import (
     PARAM,
     TensorSpec,
@@ -242,8 +243,9 @@ def render_json(source: str, cfg: K2Config, rows: list[Row], diffs: list[str] | 
 # ---- CLI -----------------------------------------------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dir", metavar="DIR", nargs="?", type=Path, help="a checkpoint directory")
-    parser.add_argument("--preset", metavar="NAME", help="a built-in config instead (kimi-k2, tiny)")
+    parser.add_argument("dir", metavar="DIR", nargs="?", type=model_dir,
+                        help="a checkpoint directory, or owner/name[@revision] from the Hugging Face cache")
+    parser.add_argument("--preset", metavar="NAME", help="a built-in config instead (kimi-k2, kimi-k2-thinking, tiny, tiny-int4, tiny-k2.5)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 

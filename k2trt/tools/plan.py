@@ -14,13 +14,15 @@ from pathlib import Path
 
 from k2trt.config import K2Config
 from k2trt.errors import K2Error
+from k2trt.hub import model_dir
 from k2trt.runtime.distributed import placement
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", type=Path, help="checkpoint directory (sizes from its safetensors headers)")
-    src.add_argument("--preset", help="a built-in config (kimi-k2, tiny): sizes from the weight table")
+    src.add_argument("--model", type=model_dir,
+                     help="checkpoint directory (sizes from its safetensors headers), or owner/name[@revision] from the HF cache")
+    src.add_argument("--preset", help="a built-in config (kimi-k2, kimi-k2-thinking, tiny, ...): sizes from the weight table")
     p.add_argument("--devices", type=int, required=True, help="pipeline stages, one per device")
     p.add_argument("--device-memory", required=True, help="memory per device, e.g. 140GiB (H200), 79.6GiB (H100)")
     p.add_argument("--reserve", default=f"{placement.DEFAULT_RESERVE // 2**30}GiB",
