@@ -327,3 +327,10 @@ def test_the_cli_takes_owner_name_from_hf_hub_cache(tiny_int4_ckpt, tmp_path):
     done = run("plan", "--model", "moonshotai/Kimi-K2.6", "--devices", "1", "--device-memory", "1GB")
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2 and len(lines) == 1 and "hf download moonshotai/Kimi-K2.6" in lines[0], done.stderr
+
+
+def test_compare_covers_int4_blocks(tiny_int4_ckpt, tiny_int4_export, capsys):
+    rc, out, err = cli(capsys, "compare", "--model", str(tiny_int4_ckpt), "--onnx", str(tiny_int4_export),
+                       "--tokens", "4")
+    assert rc == 0, out + err
+    assert "moe_block_1" in out and "all" in out and "checks passed" in out
