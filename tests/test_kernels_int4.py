@@ -93,3 +93,17 @@ def test_shapes_are_checked(experts):
         moe_int4.moe_int4(x, ids, w, *experts, group_size=64)
     with pytest.raises(TypeError, match="int32"):
         moe_int4.moe_int4(x, ids, w, experts[0].float(), *experts[1:], group_size=G)
+
+
+def test_gpu_check_times_the_int4_moe_beside_the_fp8_one():
+    """make gpu-check's INT4 rows, on CPU at tiny shapes: accuracy against the reference, both timings, the bytes
+    INT4 experts must read (half a byte per weight, a bf16 scale per 32)."""
+    from k2trt.tools import gpu_check
+
+    rows = gpu_check.check_moe_int4([1, 5], 8, 256, 128, 2, 32, torch.device("cpu"), iters=1, warmup=0,
+                                    max_check_tokens=4)
+    assert [r.tokens for r in rows] == [1, 5] and rows[1].checked_tokens == 4
+    assert all(r.ok and r.triton_ms > 0 and r.torch_ms > 0 for r in rows), gpu_check.format_table(rows)
+    assert gpu_check.moe_int4_bytes(2, 3, 256, 128, 2, 32) == 3 * (3 * 256 * 128 // 2 + 3 * 1024 * 2) + 2 * 256 * 2
+    labels = [v[0] for v in gpu_check.kernel_variants()]
+    assert sum(label.startswith("moe int4") for label in labels) == 2 * len(moe_int4.INT4_TACTICS)
