@@ -334,3 +334,24 @@ def test_compare_covers_int4_blocks(tiny_int4_ckpt, tiny_int4_export, capsys):
                        "--tokens", "4")
     assert rc == 0, out + err
     assert "moe_block_1" in out and "all" in out and "checks passed" in out
+
+
+def test_tensorrt_form_of_an_int4_block_binds_packed_weights(tmp_path):
+    """The bf16 TensorRT-bound graphs of the INT4 model: profiles only for the activations (weights are static),
+    the packed experts uploaded as int32 words beside their scales in the activation dtype, bf16 linears as bf16."""
+    from k2trt import export_manifest
+    from k2trt.export.exporter import export
+    from k2trt.runtime.trt.backend import upload_weights
+    from k2trt.runtime.trt.profiles import ProfileSpec, graph_profiles
+    from k2trt.tools.synthetic import RandomWeights
+
+    cfg = K2Config.preset("tiny-int4")
+    export(cfg, tmp_path, "bfloat16", 1, log=lambda *a: None)
+    entry = export_manifest.read_manifest(tmp_path)["graphs"]["trt/moe_block"]
+    prefill, _ = graph_profiles(ProfileSpec(), entry)
+    assert set(prefill.shapes) == {"hidden_states", "rope_cos", "rope_sin", "attention_mask", "latent_cache"}
+    up = upload_weights(entry, RandomWeights(cfg).block_weights(1), torch.bfloat16, "cpu")
+    assert up["mlp.experts.gate_proj.weight_packed"].dtype == torch.int32
+    assert up["mlp.experts.gate_proj.weight_packed"].shape == (cfg.n_routed_experts, 128, 16)
+    assert up["mlp.experts.down_proj.weight_scale"].dtype == torch.bfloat16
+    assert up["self_attn.q_a_proj.weight"].dtype == torch.bfloat16 and "mlp.experts.gate_proj.weight_shape" not in up
