@@ -10,6 +10,7 @@ import torch
 
 pytest.importorskip("triton", reason="the Triton kernels need the triton package (pip install triton)")
 
+from test_kernels import _routing  # noqa: E402  (the FP8 kernels' routings: distinct experts per token)
 from tolerances import TIGHT, assert_close  # noqa: E402
 
 from k2trt.graphs import int4 as ref  # noqa: E402
@@ -30,12 +31,6 @@ def experts():
     """E=16 experts, d=256, I=128: gate, up, down as (packed, scales)."""
     gen = torch.Generator().manual_seed(0)
     return (*_experts(gen, 16, 128, 256), *_experts(gen, 16, 128, 256), *_experts(gen, 16, 256, 128))
-
-
-def _routing(t, e, k, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(torch.int32)
-    return ids, torch.rand(t, k, generator=gen) + 0.1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

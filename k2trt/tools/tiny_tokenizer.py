@@ -27,12 +27,14 @@ SPECIAL_OFFSETS = {
 
 # Every message is <|im_{role}|>{name or role}<|im_middle|>{content}<|im_end|>; a default system
 # message comes first when none is given; no BOS. Whitespace control (-) keeps the source layout out
-# of the output, so it renders the same with or without trim_blocks/lstrip_blocks.
-CHAT_TEMPLATE = """\
+# of the output, so it renders the same with or without trim_blocks/lstrip_blocks. The templates are made of
+# these pieces:
+_DEFAULT_SYSTEM = """\
 {%- if not messages or messages[0]['role'] != 'system' -%}
-<|im_system|>system<|im_middle|>You are a helpful assistant<|im_end|>
+<|im_system|>system<|im_middle|>@SYSTEM@<|im_end|>
 {%- endif -%}
-{%- for message in messages -%}
+"""
+_ROLE = """\
   {%- if message['role'] == 'user' -%}
 <|im_user|>
   {%- elif message['role'] == 'assistant' -%}
@@ -42,6 +44,8 @@ CHAT_TEMPLATE = """\
   {%- endif -%}
 {{- message.get('name') or message['role'] -}}
 <|im_middle|>
+"""
+_CONTENT = """\
   {%- set content = message.get('content') -%}
   {%- if content is string -%}
 {{- content -}}
@@ -53,11 +57,14 @@ CHAT_TEMPLATE = """\
     {%- endfor -%}
   {%- endif -%}
 <|im_end|>
-{%- endfor -%}
+"""
+_GENERATION_PROMPT = """\
 {%- if add_generation_prompt -%}
 <|im_assistant|>assistant<|im_middle|>
 {%- endif -%}
 """
+CHAT_TEMPLATE = (_DEFAULT_SYSTEM.replace("@SYSTEM@", "You are a helpful assistant") + "{%- for message in messages -%}\n"
+                 + _ROLE + _CONTENT + "{%- endfor -%}\n" + _GENERATION_PROMPT)
 
 # The thinking releases (K2-Thinking, K2.5) add <think> and </think> as special tokens and ship their template as
 # chat_template.jinja. The model thinks between them before it answers; an assistant turn of an earlier round keeps
@@ -66,50 +73,23 @@ CHAT_TEMPLATE = """\
 # it in thinking mode (the default) and closes it at once when chat_template_kwargs say {"thinking": false}.
 THINK_OFFSETS = {22: "<think>", 23: "</think>"}
 
-_THINKING_BODY = """\
-{%- if not messages or messages[0]['role'] != 'system' -%}
-<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>
-{%- endif -%}
-{%- set ns = namespace(last_user=-1) -%}
-{%- for message in messages -%}
-  {%- if message['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
-{%- endfor -%}
-{%- for message in messages -%}
-  {%- set role = message['role'] -%}
-  {%- if role == 'user' -%}
-<|im_user|>
-  {%- elif role == 'assistant' -%}
-<|im_assistant|>
-  {%- else -%}
-<|im_system|>
-  {%- endif -%}
-{{- message.get('name') or role -}}
-<|im_middle|>
-  {%- if role == 'assistant' -%}
+_THINK = """\
+  {%- if message['role'] == 'assistant' -%}
     {%- if loop.index0 > ns.last_user and message.get('reasoning_content') -%}
 <think>{{- message['reasoning_content'] -}}</think>
     {%- else -%}
 <think></think>
     {%- endif -%}
   {%- endif -%}
-  {%- set content = message.get('content') -%}
-  {%- if content is string -%}
-{{- content -}}
-  {%- elif content is iterable -%}
-    {%- for part in content -%}
-      {%- if part['type'] == 'text' -%}
-{{- part['text'] -}}
-      {%- endif -%}
-    {%- endfor -%}
-  {%- endif -%}
-<|im_end|>
+"""
+_THINKING_BODY = (_DEFAULT_SYSTEM.replace("@SYSTEM@", "You are Kimi, an AI assistant created by Moonshot AI.") + """\
+{%- set ns = namespace(last_user=-1) -%}
+{%- for message in messages -%}
+  {%- if message['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
 {%- endfor -%}
-"""
-THINKING_TEMPLATE = _THINKING_BODY + """\
-{%- if add_generation_prompt -%}
-<|im_assistant|>assistant<|im_middle|>
-{%- endif -%}
-"""
+{%- for message in messages -%}
+""" + _ROLE + _THINK + _CONTENT + "{%- endfor -%}\n")
+THINKING_TEMPLATE = _THINKING_BODY + _GENERATION_PROMPT
 K25_TEMPLATE = _THINKING_BODY + """\
 {%- if add_generation_prompt -%}
 <|im_assistant|>assistant<|im_middle|>

@@ -24,10 +24,23 @@ import triton.language as tl
 
 from k2trt.graphs.int4 import PACK_FACTOR
 from k2trt.runtime.kernels.fp8_linear import act_code, checked_out, interpreting, rne_bf16, round_act, to_act
-from k2trt.runtime.kernels.moe import expert_tile, gemm_tiles_bound, moe_align, moe_combine
+from k2trt.runtime.kernels.moe import expert_tile, gemm_tiles_bound, run_stages
 
 
 # ---------------------------------------------------------------------------------------------- kernels
+
+@triton.jit
+def row_tile(off_ptr, n, E: tl.constexpr, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+             BLOCK_E: tl.constexpr):
+    """This program's tile of a grouped GEMM: (expert, sorted rows [BM] and their mask, output columns [BN] and
+    their mask), N fastest; expert >= E past the last tile (moe.py's expert_tile)."""
+    pid = tl.program_id(0)
+    num_n: tl.constexpr = (N + BN - 1) // BN
+    e, start, stop = expert_tile(off_ptr, pid // num_n, n, E, BM, BLOCK_E)
+    rows = start + tl.arange(0, BM)
+    offs_n = (pid % num_n) * BN + tl.arange(0, BN)
+    return e, rows, rows < stop, offs_n, offs_n < N
+
 
 @triton.jit
 def int4_tile(w_ptr, s_ptr, e, offs_n, n_mask, kk, k_ok, N: tl.constexpr, K: tl.constexpr, G: tl.constexpr):
@@ -40,6 +53,14 @@ def int4_tile(w_ptr, s_ptr, e, offs_n, n_mask, kk, k_ok, N: tl.constexpr, K: tl.
     q = ((packed >> ((kk % 8) * 4)[:, None]) & 0xF) - 8
     s = tl.load(s_ptr + rows * groups + (kk // G)[:, None], mask=mask, other=0.0).to(tl.float32)
     return rne_bf16(q.to(tl.float32) * s)
+
+
+@triton.jit
+def a_tile(ptr, rows64, valid, k0, K: tl.constexpr, BK: tl.constexpr):
+    """Activation rows [BM] (int64 indices) at K step k0: (the [BM, BK] tile, its k indices, their mask)."""
+    kk = k0 + tl.arange(0, BK)
+    k_ok = kk < K
+    return tl.load(ptr + rows64[:, None] * K + kk[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0), kk, k_ok
 
 
 @triton.jit
@@ -57,27 +78,16 @@ def gate_up_int4_kernel(x_ptr, sorted_ptr, off_ptr, gp_ptr, gs_ptr, up_ptr, us_p
                         E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, G: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr, ACT: tl.constexpr,
                         DOT16: tl.constexpr):
-    pid = tl.program_id(0)
-    num_n: tl.constexpr = (N + BN - 1) // BN
-    pid_m = pid // num_n
-    pid_n = pid % num_n
-    e, start, stop = expert_tile(off_ptr, pid_m, n, E, BM, BLOCK_E)
+    e, rows, valid, offs_n, n_mask = row_tile(off_ptr, n, E, N, BM, BN, BLOCK_E)
     if e >= E:
         return
-    rows = start + tl.arange(0, BM)
-    valid = rows < stop
     top_k = tl.maximum(n // tl.maximum(M, 1), 1)
     pair = tl.minimum(tl.maximum(tl.load(sorted_ptr + rows, mask=valid, other=0), 0), n - 1)
     tok = (pair // top_k).to(tl.int64)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    n_mask = offs_n < N
-    offs_k = tl.arange(0, BK)
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        kk = k0 + offs_k
-        k_ok = kk < K
-        a = tl.load(x_ptr + tok[:, None] * K + kk[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        a, kk, k_ok = a_tile(x_ptr, tok, valid, k0, K, BK)
         acc_g = int4_dot(a, int4_tile(gp_ptr, gs_ptr, e, offs_n, n_mask, kk, k_ok, N, K, G), acc_g, ACT, DOT16)
         acc_u = int4_dot(a, int4_tile(up_ptr, us_ptr, e, offs_n, n_mask, kk, k_ok, N, K, G), acc_u, ACT, DOT16)
     # the reference rounds gate, up, silu(gate) and the product to x's dtype; torch's silu is x / (1 + exp(-x))
@@ -93,24 +103,12 @@ def down_int4_kernel(h_ptr, sorted_ptr, off_ptr, dp_ptr, ds_ptr, n, out_ptr,
                      E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, G: tl.constexpr, BM: tl.constexpr,
                      BN: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr, ACT: tl.constexpr,
                      DOT16: tl.constexpr):
-    pid = tl.program_id(0)
-    num_n: tl.constexpr = (N + BN - 1) // BN
-    pid_m = pid // num_n
-    pid_n = pid % num_n
-    e, start, stop = expert_tile(off_ptr, pid_m, n, E, BM, BLOCK_E)
+    e, rows, valid, offs_n, n_mask = row_tile(off_ptr, n, E, N, BM, BN, BLOCK_E)
     if e >= E:
         return
-    rows = start + tl.arange(0, BM)
-    valid = rows < stop
-    rows64 = rows.to(tl.int64)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    n_mask = offs_n < N
-    offs_k = tl.arange(0, BK)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        kk = k0 + offs_k
-        k_ok = kk < K
-        a = tl.load(h_ptr + rows64[:, None] * K + kk[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        a, kk, k_ok = a_tile(h_ptr, rows.to(tl.int64), valid, k0, K, BK)
         acc = int4_dot(a, int4_tile(dp_ptr, ds_ptr, e, offs_n, n_mask, kk, k_ok, N, K, G), acc, ACT, DOT16)
     pair = tl.minimum(tl.maximum(tl.load(sorted_ptr + rows, mask=valid, other=0), 0), n - 1).to(tl.int64)
     tl.store(out_ptr + pair[:, None] * N + offs_n[None, :], to_act(acc, ACT), mask=valid[:, None] & n_mask[None, :])
@@ -229,15 +227,10 @@ def moe_int4(x, topk_ids, topk_weights, gp, gs, up, us, dp, ds, group_size: int,
              tactic: int | None = None) -> torch.Tensor:
     """The MoeInt4 contract: x [..., d] fp32/bf16/fp16; topk_ids int [..., k]; topk_weights fp32 [..., k];
     gate/up packed int32 [E, I, d/8] with scales [E, I, d/g], down [E, d, I/8] with [E, d, I/g] -> y [..., d]."""
-    d = x.shape[-1]
-    num_experts, _ = _check_weights(gp, gs, up, us, dp, ds, d, group_size)
-    act_code(x.dtype)
-    x2 = x.reshape(-1, d)
-    out = checked_out(out, tuple(x.shape), x.dtype, x.device)
-    if x2.shape[0] == 0:
-        return out
-    sorted_pairs, offsets = moe_align(topk_ids, num_experts)
-    h = moe_gate_up_int4(x2, sorted_pairs, offsets, gp, gs, up, us, group_size, tactic)
-    pair_out = moe_down_int4(h, sorted_pairs, offsets, dp, ds, group_size, tactic)
-    moe_combine(pair_out, topk_weights.reshape(x2.shape[0], -1), out=out.view(x2.shape[0], d))
-    return out
+    num_experts, _ = _check_weights(gp, gs, up, us, dp, ds, x.shape[-1], group_size)
+
+    def gemms(x2, sorted_pairs, offsets):
+        h = moe_gate_up_int4(x2, sorted_pairs, offsets, gp, gs, up, us, group_size, tactic)
+        return moe_down_int4(h, sorted_pairs, offsets, dp, ds, group_size, tactic)
+
+    return run_stages(x, topk_ids, topk_weights, num_experts, gemms, out)
