@@ -165,8 +165,13 @@ def formats_line(cfg: K2Config) -> str:
     return "; ".join(parts + ["norms, router, embeddings, lm_head bf16"])
 
 
-def gb(n: int | None) -> str:
-    return "" if n is None else f"{n / 1e9:,.3f}"
+def byte_unit(rows: list[Row]) -> tuple[str, float]:
+    """GB for a real model, MB for the embedded tiny ones."""
+    return ("GB", 1e9) if rows[-1].bytes >= 1e10 else ("MB", 1e6)
+
+
+def size(n: int | None, unit: tuple[str, float]) -> str:
+    return "" if n is None else f"{n / unit[1]:,.3f}"
 
 
 def other_groups(others: dict) -> dict[str, tuple[int, int]]:
@@ -191,23 +196,24 @@ def render_text(source: str, cfg: K2Config, rows: list[Row], diffs: list[str] | 
         "",
     ]
     checked = diffs is not None
-    head = f"{'component':<34}{'per instance':>18}{'count':>9}{'total':>24}{'stored GB':>14}"
-    lines.append(head + (f"{'headers':>24}{'headers GB':>14}" if checked else ""))
+    unit = byte_unit(rows)
+    head = f"{'component':<34}{'per instance':>18}{'count':>9}{'total':>24}{'stored ' + unit[0]:>14}"
+    lines.append(head + (f"{'headers':>24}{'headers ' + unit[0]:>14}" if checked else ""))
     section = None
     for row in rows:
         if row.section != section:
             section = row.section
             lines.append(section)
         per = "" if row.per_instance is None else f"{row.per_instance:,}"
-        line = f"  {row.component:<32}{per:>18}{row.count:>9,}{row.total:>24,}{gb(row.bytes):>14}"
+        line = f"  {row.component:<32}{per:>18}{row.count:>9,}{row.total:>24,}{size(row.bytes, unit):>14}"
         if checked:
             line += f"{'ok' if row.headers_total == row.total else f'{row.headers_total:,}':>24}"
-            line += f"{gb(row.headers_bytes):>14}"
+            line += f"{size(row.headers_bytes, unit):>14}"
         lines.append(line)
     if others:
         lines += ["", "outside the text model (listed, never loaded)"]
-        for key, (count, size) in sorted(other_groups(others).items()):
-            lines.append(f"  {key + '.*':<32}{'':>18}{count:>9,}{'':>24}{gb(size):>14}")
+        for key, (count, nbytes) in sorted(other_groups(others).items()):
+            lines.append(f"  {key + '.*':<32}{'':>18}{count:>9,}{'':>24}{size(nbytes, unit):>14}")
     if checked:
         lines.append("")
         if diffs:
