@@ -1,8 +1,11 @@
 # k2trt — one venv at .venv; every target sets it up first if needed.
 PY      := .venv/bin/python
 K2TRT   := .venv/bin/k2trt
-TINY    ?= build/tiny
-ONNX    ?= build/onnx
+# the embedded tiny release: fp8 (Kimi-K2-Instruct, the default), int4 (Kimi-K2-Thinking), k2.5 (Kimi-K2.5's layout)
+FORMAT  ?= fp8
+SUFFIX  := $(if $(filter-out fp8,$(FORMAT)),-$(FORMAT))
+TINY    ?= build/tiny$(SUFFIX)
+ONNX    ?= build/onnx$(SUFFIX)
 ENGINES ?= build/engines
 # float32 graphs for ONNX Runtime on a CPU; bfloat16 for TensorRT engines (make export DTYPE=bfloat16 ONNX=build/onnx-bf16)
 DTYPE   ?= float32
@@ -39,7 +42,7 @@ test: install
 tiny: $(TINY)/config.json
 
 $(TINY)/config.json: | install
-	$(K2TRT) make-tiny $(TINY)
+	$(K2TRT) make-tiny $(TINY) --format $(FORMAT)
 
 export: tiny
 	$(K2TRT) export --model $(TINY) --out $(ONNX) --dtype $(DTYPE)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from k2trt.config import K2Config
+from k2trt.config import PRESETS, K2Config
+from k2trt.hub import model_dir
 from k2trt.export.exporter import export
 from k2trt.graphs.fp8 import PER_TOKEN_GROUP, WEIGHT_DEQUANT
 
@@ -17,8 +18,9 @@ ACT_QUANT = {"w8a8": PER_TOKEN_GROUP, "w8a16": WEIGHT_DEQUANT}
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", type=Path, help="checkpoint directory (config.json + safetensors)")
-    src.add_argument("--preset", choices=["kimi-k2", "tiny"], help="export a preset's graphs without a checkpoint")
+    src.add_argument("--model", type=model_dir,
+                     help="checkpoint directory (config.json + safetensors), or owner/name[@revision] from the HF cache")
+    src.add_argument("--preset", choices=list(PRESETS), help="export a preset's graphs without a checkpoint")
     p.add_argument("--out", type=Path, required=True, help="output directory")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="activation dtype of the graphs (float32 for CPU; bfloat16 for TensorRT on a GPU)")

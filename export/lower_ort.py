@@ -3,11 +3,14 @@
   k2trt::Fp8BlockLinear(x, w, s)  ->  MatMul(x, W)         W = dequant(w, s)ᵀ, prepared once per layer
   k2trt::MoeFp8(x, ids, wts, ...) ->  com.microsoft::MoE   fc1 = [gate; up] rows interleaved, dequantized;
                                                            fc2 = down, dequantized
+  k2trt::MoeInt4(x, ids, wts, ...) -> com.microsoft::MoE   the same, the INT4 weights unpacked to bf16(q·s)
 ONNX Runtime's MoE chooses its own top-k from router_probs, so the choice already made by the graph is
 handed over exactly: router_probs = log(w) on the chosen experts and -1e9 elsewhere, with
 normalize_routing_weights=1; the op then weighs expert e by w_e / Σw, and the output is multiplied by Σw.
 (ORT's MoE runs fp32/fp16 on CPU and has no FP8 kernel there, hence the dequantized weights: this path
-computes in the W8A16 convention.)
+computes in the W8A16 convention. For INT4 the dequantized weights are exact: ORT's own int4 MoE, QMoE, computes
+(q - 8)·s in float32 without the bf16 rounding the checkpoint's weights have, so it is not the same model; see
+docs/PERFORMANCE.md for what it would save.)
 
 The preparations come from the registry in graphs/weight_prep.py; the lowered graph records, for each new input,
 which one and from which graph inputs, and the runtime applies it (runtime/backends/graph_weights.py).
@@ -23,7 +26,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from k2trt.export.onnx_ops import dims, elem, set_weight_prep, value_types, weight_prep
 from k2trt.graphs import contracts
-from k2trt.graphs.weight_prep import DEQUANT, DEQUANT_T, MOE_FC1_INTERLEAVED, Preparation
+from k2trt.graphs.weight_prep import (DEQUANT, DEQUANT_T, INT4_DEQUANT, MOE_FC1_INTERLEAVED,
+                                     MOE_FC1_INTERLEAVED_INT4, Preparation)
 
 MS_DOMAIN = "com.microsoft"
 NOT_CHOSEN = -1e9  # router_probs of the experts the graph did not choose: exp() of it is 0
@@ -78,13 +82,14 @@ class _Lowering:
         wt = self.prepared(f"{w}.{DEQUANT_T.name}", DEQUANT_T, [w, s])
         self.nodes.append(helper.make_node("MatMul", [x, wt], list(node.output), name=node.name))
 
-    def moe(self, node: onnx.NodeProto) -> None:
+    def moe(self, node: onnx.NodeProto, fc1_prep: Preparation, fc2_prep: Preparation) -> None:
+        """MoeFp8 or MoeInt4 (the same inputs in the same order): ORT's MoE on the weights prepared dequantized."""
         x, ids, wts, gw, gs, uw, us, dw, ds = node.input
-        e, _, d = self.shapes[gw]
+        e = self.shapes[gw][0]
+        d = self.shapes[x][-1]
         k = self.shapes[ids][-1]
-        fc1 = self.prepared("mlp.experts.gate_up_proj.weight.dequant_interleaved", MOE_FC1_INTERLEAVED,
-                            [gw, gs, uw, us])
-        fc2 = self.prepared(f"{dw}.{DEQUANT.name}", DEQUANT, [dw, ds])
+        fc1 = self.prepared(f"mlp.experts.gate_up_proj.weight.{fc2_prep.name}_interleaved", fc1_prep, [gw, gs, uw, us])
+        fc2 = self.prepared(f"{dw}.{fc2_prep.name}", fc2_prep, [dw, ds])
         x2 = self.emit("Reshape", [x, self.const([-1, d])], "x2d")
         w2 = self.emit("Reshape", [wts, self.const([-1, k])], "w2d")
         probs = self.router_probs(x2, ids, w2, e, k)
@@ -113,7 +118,9 @@ class _Lowering:
             if node.domain == contracts.NAMESPACE and node.op_type == contracts.FP8_BLOCK_LINEAR.op_type:
                 self.linear(node)
             elif node.domain == contracts.NAMESPACE and node.op_type == contracts.MOE_FP8.op_type:
-                self.moe(node)
+                self.moe(node, MOE_FC1_INTERLEAVED, DEQUANT)
+            elif node.domain == contracts.NAMESPACE and node.op_type == contracts.MOE_INT4.op_type:
+                self.moe(node, MOE_FC1_INTERLEAVED_INT4, INT4_DEQUANT)
             else:
                 self.nodes.append(node)
         return self.finish()

@@ -266,3 +266,9 @@ class OnnxOps:
     def moe_fp8(self, x, topk_ids, topk_weights, gate_w, gate_s, up_w, up_s, down_w, down_s, activation_quant):
         ins = [x, topk_ids, topk_weights, gate_w, gate_s, up_w, up_s, down_w, down_s]
         return self._custom(contracts.MOE_FP8, ins, ["B", "T", down_w.shape[1]], activation_quant)
+
+    def moe_int4(self, x, topk_ids, topk_weights, gate_p, gate_s, up_p, up_s, down_p, down_s, group_size):
+        ins = [x, topk_ids, topk_weights, gate_p, gate_s, up_p, up_s, down_p, down_s]
+        y = self.node(contracts.MOE_INT4.op_type, ins, x.dtype, domain=contracts.NAMESPACE, **plugin_attributes(),
+                      group_size=int(group_size))
+        return self.annotate(y, ["B", "T", down_p.shape[1]])

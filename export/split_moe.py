@@ -9,7 +9,8 @@ node becomes one plugin per kernel, the intermediates graph tensors whose size f
                                          MoeGateUp(x, sorted, offsets, ...) -> h, h_scale
                                          MoeDown(h, h_scale, sorted, ...)   -> pair_out
                                          MoeCombine(pair_out, w)            -> y
-(graphs/contracts.MOE_STAGES; graphs/moe_ref.moe_fp8_reference is the same composition.)
+(graphs/contracts.MOE_STAGES; graphs/moe_ref.moe_fp8_reference is the same composition.) A MoeInt4 node becomes
+MoeAlign, MoeGateUpInt4 -> h, MoeDownInt4 -> pair_out, MoeCombine (MOE_INT4_STAGES): W4A16 has no h_scale.
 
 Expert ranges (`expert_ranges` > 1) are the fallback for a TensorRT that refuses plugin inputs over 2^31 elements
 (K2's stacked gate weight is 384 x 2048 x 7168 = 5.6e9; `k2trt doctor` checks): the experts are split into ranges,
@@ -17,6 +18,7 @@ each range a pipeline of the four stages over its own weight inputs, `<stacked>@
 the stacked tensor), fed the routing remapped to the range — ids outside it go to its first expert with weight 0
 — and the ranges' outputs summed in float32. Since every range runs every pair, the GEMMs do `ranges` times the
 rows (their weight reads, which bound decode, grow by one expert per range); exact to one rounding per range.
+INT4 experts never need them: K2-Thinking's stacked packed gate is 384 x 2048 x 896 = 7.0e8 elements.
 """
 
 from __future__ import annotations
@@ -151,10 +153,34 @@ class _Split:
             [(p + "pair_out", act, [n, d])], activation_quant=aq, out_dtype=act)
         self.stage(contracts.MOE_COMBINE, p + "combine", [pair_out, wts], outputs)
 
+    def expand_int4(self, node: onnx.NodeProto) -> None:
+        x, ids, wts, gp, gs, up, us, dp, ds = node.input
+        group = next(a.i for a in node.attribute if a.name == "group_size")
+        act = self.types[x].elem_type
+        e, inter, _ = dims(self.types[gp])
+        d = dims(self.types[dp])[1]
+        k = dims(self.types[ids])[-1]
+        if not all(isinstance(v, int) for v in (e, inter, d, k)):
+            raise ValueError(f"{node.name}: MoeInt4 needs static expert shapes and top-k, "
+                             f"got E={e} I={inter} d={d} k={k}")
+        n = f"B*T*{k}"
+        p = f"{node.name}/"
+        sorted_pairs, offsets = self.stage(
+            contracts.MOE_ALIGN, p + "align", [ids],
+            [(p + "sorted_pairs", onnx.TensorProto.INT32, [n]), (p + "expert_offsets", onnx.TensorProto.INT32, [e + 1])],
+            num_experts=e)
+        (h,) = self.stage(contracts.MOE_GATE_UP_INT4, p + "gate_up", [x, sorted_pairs, offsets, gp, gs, up, us],
+                          [(p + "h", act, [n, inter])], group_size=group)
+        (pair_out,) = self.stage(contracts.MOE_DOWN_INT4, p + "down", [h, sorted_pairs, offsets, dp, ds],
+                                 [(p + "pair_out", act, [n, d])], group_size=group)
+        self.stage(contracts.MOE_COMBINE, p + "combine", [pair_out, wts], list(node.output))
+
     def run(self) -> onnx.ModelProto:
         for node in self.model.graph.node:
             if node.domain == contracts.NAMESPACE and node.op_type == contracts.MOE_FP8.op_type:
                 self.expand(node)
+            elif node.domain == contracts.NAMESPACE and node.op_type == contracts.MOE_INT4.op_type:
+                self.expand_int4(node)
             else:
                 self.nodes.append(node)
         g = self.model.graph
@@ -172,5 +198,6 @@ class _Split:
 
 def split_moe(model: onnx.ModelProto, expert_ranges: int = 1) -> onnx.ModelProto:
     """A copy of `model` with every MoeFp8 node replaced by MoeAlign, MoeGateUp, MoeDown and MoeCombine — one such
-    pipeline per expert range when `expert_ranges` > 1 (the module docstring)."""
+    pipeline per expert range when `expert_ranges` > 1 (the module docstring) — and every MoeInt4 node by MoeAlign,
+    MoeGateUpInt4, MoeDownInt4 and MoeCombine."""
     return _Split(model, expert_ranges).run()

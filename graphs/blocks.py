@@ -8,12 +8,16 @@ record the ONNX graphs. Each follows modeling_deepseek.py (see docs/ARCHITECTURE
   head(hidden)                                      -> logits [B, T, V] float32
 
 `w` maps weight names (checkpoint suffixes, graphs/weights.py) to tensors. Attention is the absorbed form over
-the latent cache: the past is read in place and never copied or concatenated with the new entries.
+the latent cache: the past is read in place and never copied or concatenated with the new entries. Each linear is
+computed in the format the checkpoint stores it in (graphs/weights.role_format): FP8 blocks as the Fp8BlockLinear
+node, bf16 as a plain MatMul; the routed experts are one MoeFp8 or MoeInt4 node.
 """
 
 from __future__ import annotations
 
 from k2trt.config import K2Config
+from k2trt.graphs.weights import experts_format, role_format
+from k2trt.quantization import BF16, FP8_BLOCK
 
 F32 = "float32"
 
@@ -39,11 +43,25 @@ def apply_rope(ops, x, cos, sin, rope_dim: int):
     return ops.concat([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
 
 
-def fp8_linear(ops, x, w, name: str, activation_quant: int):
-    return ops.fp8_linear(x, w[f"{name}.weight"], w[f"{name}.weight_scale_inv"], activation_quant)
+def linear(ops, cfg: K2Config, kind: str, x, w, name: str, activation_quant: int):
+    """x · Wᵀ for the linear `name` (a role of graphs/weights.linear_shapes) of a block kind, in its stored format."""
+    fmt = role_format(cfg, kind, name).kind
+    if fmt == FP8_BLOCK:
+        return ops.fp8_linear(x, w[f"{name}.weight"], w[f"{name}.weight_scale_inv"], activation_quant)
+    if fmt == BF16:
+        return ops.linear(x, w[f"{name}.weight"])
+    raise ValueError(f"{name}: no linear for format {fmt}")  # graphs/weights.weight_formats refuses it first
 
 
-def attention(ops, cfg: K2Config, x, rope_cos, rope_sin, mask, latent_cache, w, activation_quant: int):
+def kv_b_weight(ops, cfg: K2Config, kind: str, w):
+    """kv_b as one matrix in the activation dtype: FP8 dequantized (a prepared input, onnx_ops.dequant_fp8), bf16
+    as it is."""
+    if role_format(cfg, kind, "self_attn.kv_b_proj").kind == FP8_BLOCK:
+        return ops.dequant_fp8(w["self_attn.kv_b_proj.weight"], w["self_attn.kv_b_proj.weight_scale_inv"])
+    return w["self_attn.kv_b_proj.weight"]
+
+
+def attention(ops, cfg: K2Config, kind: str, x, rope_cos, rope_sin, mask, latent_cache, w, activation_quant: int):
     """MLA, absorbed form. x [B, T, d] (normalized), latent_cache [B, P, kv_lora + rope] (P slots, read in
     place), mask [B, T, P + T] -> (out [B, T, d], latent_new [B, T, kv_lora + rope])."""
     h, nope, rope, vdim, lora = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
@@ -51,10 +69,13 @@ def attention(ops, cfg: K2Config, x, rope_cos, rope_sin, mask, latent_cache, w, 
     eps = cfg.rms_norm_eps
     aq = activation_quant
 
+    def lin(t, name):
+        return linear(ops, cfg, kind, t, w, name, aq)
+
     # queries: q_a -> q_a_layernorm -> q_b, split into the no-position and the rotary part
-    q = fp8_linear(ops, x, w, "self_attn.q_a_proj", aq)
+    q = lin(x, "self_attn.q_a_proj")
     q = rms_norm(ops, q, w["self_attn.q_a_layernorm.weight"], eps)
-    q = fp8_linear(ops, q, w, "self_attn.q_b_proj", aq)
+    q = lin(q, "self_attn.q_b_proj")
     q = ops.transpose(ops.reshape(q, [0, 0, h, nope + rope]), [0, 2, 1, 3])  # [B, H, T, 192]
     q_nope, q_pe = ops.split(q, [nope, rope], axis=-1)
 
@@ -63,15 +84,14 @@ def attention(ops, cfg: K2Config, x, rope_cos, rope_sin, mask, latent_cache, w, 
     q_pe = apply_rope(ops, q_pe, cos, sin, rope)
 
     # the new cache entries: normalized latent and the rotated shared rope key
-    ckv = fp8_linear(ops, x, w, "self_attn.kv_a_proj_with_mqa", aq)  # [B, T, 576]
+    ckv = lin(x, "self_attn.kv_a_proj_with_mqa")  # [B, T, 576]
     c, k_pe = ops.split(ckv, [lora, rope], axis=-1)
     c = rms_norm(ops, c, w["self_attn.kv_a_layernorm.weight"], eps)
     k_pe = apply_rope(ops, ops.unsqueeze(k_pe, 1), cos, sin, rope)  # [B, 1, T, rope]
     latent_new = ops.concat([c, ops.reshape(k_pe, [0, -1, rope])], axis=-1)  # [B, T, 576]
 
     # absorb kv_b: W_uk turns q_nope into latent space, W_uv turns the attended latent into values
-    wkv = ops.reshape(ops.dequant_fp8(w["self_attn.kv_b_proj.weight"], w["self_attn.kv_b_proj.weight_scale_inv"]),
-                      [h, nope + vdim, lora])
+    wkv = ops.reshape(kv_b_weight(ops, cfg, kind, w), [h, nope + vdim, lora])
     w_uk, w_uv = ops.split(wkv, [nope, vdim], axis=1)  # [H, nope, L], [H, v, L]
     q_full = ops.concat([ops.matmul(q_nope, w_uk), q_pe], axis=-1)  # [B, H, T, L + rope]
 
@@ -89,14 +109,14 @@ def attention(ops, cfg: K2Config, x, rope_cos, rope_sin, mask, latent_cache, w, 
     o_lat, _ = ops.split(o_lat, [lora, rope], axis=-1)
     o = ops.matmul(o_lat, ops.transpose(w_uv, [0, 2, 1]))  # [B, H, T, v]
     o = ops.reshape(ops.transpose(o, [0, 2, 1, 3]), [0, 0, h * vdim])
-    return fp8_linear(ops, o, w, "self_attn.o_proj", aq), latent_new
+    return lin(o, "self_attn.o_proj"), latent_new
 
 
-def swiglu(ops, x, w, prefix: str, activation_quant: int):
+def swiglu(ops, cfg: K2Config, kind: str, x, w, prefix: str, activation_quant: int):
     """DeepseekV3MLP: down(silu(gate(x)) * up(x))."""
-    g = fp8_linear(ops, x, w, f"{prefix}.gate_proj", activation_quant)
-    u = fp8_linear(ops, x, w, f"{prefix}.up_proj", activation_quant)
-    return fp8_linear(ops, ops.silu(g) * u, w, f"{prefix}.down_proj", activation_quant)
+    g = linear(ops, cfg, kind, x, w, f"{prefix}.gate_proj", activation_quant)
+    u = linear(ops, cfg, kind, x, w, f"{prefix}.up_proj", activation_quant)
+    return linear(ops, cfg, kind, ops.silu(g) * u, w, f"{prefix}.down_proj", activation_quant)
 
 
 def route(ops, cfg: K2Config, x, w):
@@ -122,31 +142,38 @@ def route(ops, cfg: K2Config, x, w):
     return topk_ids, weights * cfg.routed_scaling_factor
 
 
+def routed_experts(ops, cfg: K2Config, x, topk_ids, topk_weights, w, activation_quant: int):
+    """The routed experts as one node: MoeFp8 for FP8 block experts, MoeInt4 for INT4 pack-quantized ones."""
+    fmt = experts_format(cfg)
+    e = "mlp.experts."
+    if fmt.kind == FP8_BLOCK:
+        return ops.moe_fp8(x, topk_ids, topk_weights,
+                           *(w[f"{e}{p}.{t}"] for p in ("gate_proj", "up_proj", "down_proj")
+                             for t in ("weight", "weight_scale_inv")), activation_quant)
+    return ops.moe_int4(x, topk_ids, topk_weights,
+                        *(w[f"{e}{p}.{t}"] for p in ("gate_proj", "up_proj", "down_proj")
+                          for t in ("weight_packed", "weight_scale")), fmt.group_size)
+
+
 def moe(ops, cfg: K2Config, x, w, activation_quant: int):
-    """DeepseekV3MoE: routed experts (the MoeFp8 node) plus the shared expert."""
+    """DeepseekV3MoE: routed experts (one MoeFp8 / MoeInt4 node) plus the shared expert."""
     topk_ids, topk_weights = route(ops, cfg, x, w)
-    routed = ops.moe_fp8(
-        x, ops.cast(topk_ids, "int32"), topk_weights,
-        w["mlp.experts.gate_proj.weight"], w["mlp.experts.gate_proj.weight_scale_inv"],
-        w["mlp.experts.up_proj.weight"], w["mlp.experts.up_proj.weight_scale_inv"],
-        w["mlp.experts.down_proj.weight"], w["mlp.experts.down_proj.weight_scale_inv"],
-        activation_quant,
-    )
-    return routed + swiglu(ops, x, w, "mlp.shared_experts", activation_quant)
+    routed = routed_experts(ops, cfg, x, ops.cast(topk_ids, "int32"), topk_weights, w, activation_quant)
+    return routed + swiglu(ops, cfg, "moe_block", x, w, "mlp.shared_experts", activation_quant)
 
 
 def decoder_block(ops, cfg: K2Config, kind: str, hidden, rope_cos, rope_sin, mask, latent_cache, w,
                   activation_quant: int):
     """DeepseekV3DecoderLayer: pre-norm attention and FFN with residuals. kind: dense_block | moe_block."""
     eps = cfg.rms_norm_eps
-    a, latent_new = attention(ops, cfg, rms_norm(ops, hidden, w["input_layernorm.weight"], eps),
+    a, latent_new = attention(ops, cfg, kind, rms_norm(ops, hidden, w["input_layernorm.weight"], eps),
                               rope_cos, rope_sin, mask, latent_cache, w, activation_quant)
     hidden = hidden + a
     h = rms_norm(ops, hidden, w["post_attention_layernorm.weight"], eps)
     if kind == "moe_block":
         m = moe(ops, cfg, h, w, activation_quant)
     elif kind == "dense_block":
-        m = swiglu(ops, h, w, "mlp", activation_quant)
+        m = swiglu(ops, cfg, kind, h, w, "mlp", activation_quant)
     else:
         raise ValueError(f"unknown block kind {kind!r}")
     return hidden + m, latent_new

@@ -1,11 +1,13 @@
 """The custom nodes of the graphs, defined once.
 
 Two families:
-  * the nodes graphs/blocks.py records (RECORDED): Fp8BlockLinear and MoeFp8. The torch reference registers them
-    as torch.library custom ops, the ONNX Runtime lowering replaces them;
+  * the nodes graphs/blocks.py records (RECORDED): Fp8BlockLinear, MoeFp8 and MoeInt4 (the INT4 routed experts of
+    K2-Thinking and K2.5). The torch reference registers them as torch.library custom ops, the ONNX Runtime lowering
+    replaces them;
   * the nodes of the TensorRT-bound graphs (TENSORRT), each a TensorRT plugin that is exactly one kernel (so every
-    one has an AOT implementation): Fp8BlockLinear, and the four stages MoeFp8 is expanded into by
-    export/split_moe.py (MOE_STAGES: align, gate+up, down, combine), whose torch references are in
+    one has an AOT implementation): Fp8BlockLinear, the four stages MoeFp8 is expanded into by
+    export/split_moe.py (MOE_STAGES: align, gate+up, down, combine), and the four MoeInt4 is expanded into
+    (MOE_INT4_STAGES: the same align and combine, INT4 gate+up and down), whose torch references are in
     graphs/moe_ref.py.
 Tests check that the exporter, the references, the lowering, the split and the plugins agree with this table.
 
@@ -183,9 +185,65 @@ MOE_COMBINE = NodeContract(
 )
 
 MOE_STAGES = (MOE_ALIGN, MOE_GATE_UP, MOE_DOWN, MOE_COMBINE)
-RECORDED = (FP8_BLOCK_LINEAR, MOE_FP8)  # what graphs/blocks.py records
-TENSORRT = (FP8_BLOCK_LINEAR, *MOE_STAGES)  # the nodes of the TensorRT-bound graphs: one plugin each
-CONTRACTS = {c.op_type: c for c in (*RECORDED, *MOE_STAGES)}
+
+# ---- INT4 routed experts (compressed-tensors pack-quantized, W4A16: graphs/int4.py) ---------------------------
+# Weights: int32 words of eight 4-bit values along the input dimension (value i at bits 4i..4i+3, offset by +8),
+# one scale per group of g input channels; W = bf16(q · s). Activations stay in the activation dtype.
+
+GROUP_SIZE = Attribute("group_size", "int", None, "g: input channels per scale (32 in K2-Thinking and K2.5)")
+_INT4 = "int32"
+
+
+def _int4_ports(name: str, rows: str, cols: str) -> tuple[Port, Port]:
+    return (Port(f"{name}_weight_packed", (_INT4,), f"[E, {rows}, {cols}/8]", "8 int4 values per word, offset +8"),
+            Port(f"{name}_weight_scale", ACTIVATION_DTYPES, f"[E, {rows}, {cols}/g]",
+                 "bf16 in the checkpoint; the activation dtype in the graph (exact in float32)"))
+
+
+MOE_INT4 = NodeContract(
+    op_type="MoeInt4",
+    doc=(
+        "Routed experts of one MoE layer with INT4 group-quantized weights (W4A16): as MoeFp8, each weight "
+        "dequantized group by group inside the GEMM to bf16(q·s), activations never quantized, fp32 accumulation; "
+        "y = Σ_k topk_weights[k] · expert_{topk_ids[k]}(x) accumulated in float32. The shared expert is not included."
+    ),
+    inputs=(
+        Port("x", ACTIVATION_DTYPES, "[B, T, d]"),
+        Port("topk_ids", ("int32",), "[B, T, k]", "chosen experts, 0 <= id < E"),
+        Port("topk_weights", ("float32",), "[B, T, k]", "final weights (normalized, times routed_scaling_factor)"),
+        *_int4_ports("gate", "I", "d"), *_int4_ports("up", "I", "d"), *_int4_ports("down", "d", "I"),
+    ),
+    outputs=(Port("y", ACTIVATION_DTYPES, "[B, T, d]", "same dtype as x"),),
+    attributes=(GROUP_SIZE,),
+    tensorrt="expanded into MoeAlign → MoeGateUpInt4 → MoeDownInt4 → MoeCombine by export/split_moe.py",
+)
+
+MOE_GATE_UP_INT4 = NodeContract(
+    op_type="MoeGateUpInt4",
+    doc=("Stage 2 of MoeInt4: for sorted row r (pair p = sorted_pairs[r], token p // k, expert e of row r) "
+         "h[r] = SiLU(x·gate_eᵀ)·(x·up_eᵀ) with W = bf16(q·s) unpacked group by group, each rounded to x's dtype as "
+         "the reference does."),
+    inputs=(Port("x", ACTIVATION_DTYPES, "[B, T, d]"), _SORTED, _OFFSETS,
+            *_int4_ports("gate", "I", "d"), *_int4_ports("up", "I", "d")),
+    outputs=(Port("h", ACTIVATION_DTYPES, "[n, I]", "x's dtype; sorted rows"),),
+    attributes=(GROUP_SIZE,),
+)
+
+MOE_DOWN_INT4 = NodeContract(
+    op_type="MoeDownInt4",
+    doc=("Stage 3 of MoeInt4: pair_out[sorted_pairs[r]] = h[r]·down_eᵀ for the expert e of row r, W = bf16(q·s), "
+         "accumulated in float32 and rounded to h's dtype."),
+    inputs=(Port("h", ACTIVATION_DTYPES, "[n, I]", "as MoeGateUpInt4 writes it"), _SORTED, _OFFSETS,
+            *_int4_ports("down", "d", "I")),
+    outputs=(Port("pair_out", ACTIVATION_DTYPES, "[n, d]", "in pair order; h's dtype"),),
+    attributes=(GROUP_SIZE,),
+)
+
+MOE_INT4_STAGES = (MOE_ALIGN, MOE_GATE_UP_INT4, MOE_DOWN_INT4, MOE_COMBINE)
+RECORDED = (FP8_BLOCK_LINEAR, MOE_FP8, MOE_INT4)  # what graphs/blocks.py records
+# the nodes of the TensorRT-bound graphs: one plugin each
+TENSORRT = (FP8_BLOCK_LINEAR, *MOE_STAGES, MOE_GATE_UP_INT4, MOE_DOWN_INT4)
+CONTRACTS = {c.op_type: c for c in (*RECORDED, *TENSORRT)}
 
 
 def markdown_table() -> str:

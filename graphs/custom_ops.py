@@ -1,12 +1,13 @@
 """The node contracts of graphs/contracts.py as torch.library custom ops, so the torch reference calls the very
-operations the exported graphs name: torch.ops.k2trt.fp8_block_linear and torch.ops.k2trt.moe_fp8."""
+operations the exported graphs name: torch.ops.k2trt.fp8_block_linear, torch.ops.k2trt.moe_fp8 and
+torch.ops.k2trt.moe_int4."""
 
 from __future__ import annotations
 
 import torch
 
 from k2trt.graphs.fp8 import fp8_block_linear as _fp8_block_linear
-from k2trt.graphs.moe_ref import moe_fp8_reference
+from k2trt.graphs.moe_ref import moe_fp8_reference, moe_int4_reference
 
 
 @torch.library.custom_op("k2trt::fp8_block_linear", mutates_args=())
@@ -31,5 +32,19 @@ def moe_fp8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
 
 
 @moe_fp8.register_fake
+def _(x, *args):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("k2trt::moe_int4", mutates_args=())
+def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+             gate_weight_packed: torch.Tensor, gate_weight_scale: torch.Tensor,
+             up_weight_packed: torch.Tensor, up_weight_scale: torch.Tensor,
+             down_weight_packed: torch.Tensor, down_weight_scale: torch.Tensor, group_size: int) -> torch.Tensor:
+    return moe_int4_reference(x, topk_ids, topk_weights, gate_weight_packed, gate_weight_scale, up_weight_packed,
+                              up_weight_scale, down_weight_packed, down_weight_scale)
+
+
+@moe_int4.register_fake
 def _(x, *args):
     return torch.empty_like(x)

@@ -105,3 +105,8 @@ class TorchOps:
     def moe_fp8(self, x, topk_ids, topk_weights, gate_w, gate_s, up_w, up_s, down_w, down_s, activation_quant):
         return torch.ops.k2trt.moe_fp8(x, topk_ids, topk_weights, gate_w, gate_s, up_w, up_s, down_w, down_s,
                                        activation_quant)
+
+    # ---- INT4 routed experts (the MoeInt4 node) ------------------------------------------------------------
+    def moe_int4(self, x, topk_ids, topk_weights, gate_p, gate_s, up_p, up_s, down_p, down_s, group_size):
+        return torch.ops.k2trt.moe_int4(x, topk_ids, topk_weights, gate_p, gate_s, up_p, up_s, down_p, down_s,
+                                        group_size)

@@ -98,14 +98,15 @@ class ReferenceModel:
         h = self.embed(input_ids)
         for layer in range(cfg.num_hidden_layers):
             w = self.layer_weights(layer)
+            kind = cfg.layer_kind(layer)
             x = blocks.rms_norm(ops, h, w["input_layernorm.weight"], cfg.rms_norm_eps)
-            h = h + attention_expanded(ops, cfg, x, cos.to(ops.act), sin.to(ops.act), mask, w,
+            h = h + attention_expanded(ops, cfg, kind, x, cos.to(ops.act), sin.to(ops.act), mask, w,
                                        self.activation_quant)
             x = blocks.rms_norm(ops, h, w["post_attention_layernorm.weight"], cfg.rms_norm_eps)
-            if cfg.is_moe_layer(layer):
+            if kind == "moe_block":
                 h = h + blocks.moe(ops, cfg, x, w, self.activation_quant)
             else:
-                h = h + blocks.swiglu(ops, x, w, "mlp", self.activation_quant)
+                h = h + blocks.swiglu(ops, cfg, kind, x, w, "mlp", self.activation_quant)
         return self.head(h)
 
 
@@ -123,12 +124,12 @@ def hf_apply_rotary(x, cos_half, sin_half):
     return x * cos + _rotate_half(x) * sin
 
 
-def attention_expanded(ops, cfg: K2Config, x, cos, sin, mask, w, activation_quant: int):
+def attention_expanded(ops, cfg: K2Config, kind: str, x, cos, sin, mask, w, activation_quant: int):
     """DeepseekV3Attention.forward without a cache, literally: kv_b expands the latent into per-head keys and
     values, then ordinary multi-head attention. x [B, S, d]; cos/sin [B, S, rope/2]; mask [B, S, S]."""
     b, s, _ = x.shape
     h, nope, rope, vdim = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    lin = lambda t, name: ops.fp8_linear(t, w[f"{name}.weight"], w[f"{name}.weight_scale_inv"], activation_quant)  # noqa: E731
+    lin = lambda t, name: blocks.linear(ops, cfg, kind, t, w, name, activation_quant)  # noqa: E731
     q = lin(blocks.rms_norm(ops, lin(x, "self_attn.q_a_proj"), w["self_attn.q_a_layernorm.weight"],
                             cfg.rms_norm_eps), "self_attn.q_b_proj")
     q = q.view(b, s, h, nope + rope).transpose(1, 2)

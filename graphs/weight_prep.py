@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from k2trt.graphs import int4
 from k2trt.graphs.fp8 import dequant_weight
 
 Shape = tuple[int, ...]
@@ -49,11 +50,29 @@ def _dequant_t(t: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     return _dequant(t, dtype).transpose(-1, -2)
 
 
-def _interleave_gate_up(t: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    gw, gs, uw, us = t
-    g, u = dequant_weight(gw, gs, dtype), dequant_weight(uw, us, dtype)
+def _interleaved(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     e, inter, d = g.shape
     return torch.stack([g, u], dim=2).reshape(e, 2 * inter, d)
+
+
+def _interleave_gate_up(t: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    gw, gs, uw, us = t
+    return _interleaved(dequant_weight(gw, gs, dtype), dequant_weight(uw, us, dtype))
+
+
+def _int4_dequant(t: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    packed, scale = t
+    return int4.dequant_weight(packed, scale, dtype)
+
+
+def _interleave_gate_up_int4(t: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    gp, gs, up, us = t
+    return _interleaved(int4.dequant_weight(gp, gs, dtype), int4.dequant_weight(up, us, dtype))
+
+
+def _unpacked(s: list[Shape]) -> Shape:
+    """[.., N, K/8] packed int4 -> [.., N, K]."""
+    return (*s[0][:-1], s[0][-1] * int4.PACK_FACTOR)
 
 
 DEQUANT = Preparation(
@@ -67,7 +86,16 @@ MOE_FC1_INTERLEAVED = Preparation(
     lambda s: (s[0][0], 2 * s[0][1], s[0][2]), _interleave_gate_up,
     "gate and up dequantized, rows interleaved g0, u0, g1, u1, … as ONNX Runtime's fused SwiGLU reads them")
 
-PREPARATIONS: dict[str, Preparation] = {p.name: p for p in (DEQUANT, DEQUANT_T, MOE_FC1_INTERLEAVED)}
+INT4_DEQUANT = Preparation(
+    "int4_dequant", ("int4 packed [.., N, K/8]", "group scales [.., N, K/g]"), _unpacked, _int4_dequant,
+    "INT4 weight unpacked and dequantized, bf16(q·s), in the activation dtype (stacked experts too)")
+MOE_FC1_INTERLEAVED_INT4 = Preparation(
+    "moe_fc1_interleaved_int4", ("gate packed [E, I, d/8]", "gate scales", "up packed [E, I, d/8]", "up scales"),
+    lambda s: (s[0][0], 2 * s[0][1], s[0][2] * int4.PACK_FACTOR), _interleave_gate_up_int4,
+    "INT4 gate and up dequantized, rows interleaved g0, u0, g1, u1, … as ONNX Runtime's fused SwiGLU reads them")
+
+PREPARATIONS: dict[str, Preparation] = {p.name: p for p in (DEQUANT, DEQUANT_T, MOE_FC1_INTERLEAVED, INT4_DEQUANT,
+                                                             MOE_FC1_INTERLEAVED_INT4)}
 
 
 def preparation(name: str) -> Preparation:

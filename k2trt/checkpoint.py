@@ -6,7 +6,12 @@ copies one layer with plain reads, so streaming all 61 layers keeps only one lay
 
 Every tensor handed out — by `tensor`, `layer`, `globals` or `block_weights` — is first checked against the
 weight table (graphs/weights.py): a tensor the config names must have exactly its shape and dtype, so nothing
-downstream (ONNX Runtime, TensorRT, the reference) ever sees a tensor that `validate` would refuse.
+downstream (ONNX Runtime, TensorRT, the reference) ever sees a tensor that `validate` would refuse. INT4 weights
+also carry their logical shape (`weight_shape`), whose values `validate` and `check_tensors` read and check.
+
+Names are the text model's (`model.layers.N....`, as graphs/weights.py names them); a K2.5 checkpoint stores them
+under `language_model.` (K2Config.weight_prefix) beside a vision tower, whose tensors `other_tensors` lists and
+nothing loads.
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ import torch
 
 from k2trt.config import K2Config
 from k2trt.files import member, read_json_object, regular_file
-from k2trt.graphs.weights import (TensorSpec, assemble_block_weights, checkpoint_specs, global_specs, layer_prefix,
-                                  layer_specs)
+from k2trt.graphs.weights import (SHAPE, TensorSpec, assemble_block_weights, checkpoint_specs, global_specs,
+                                  layer_prefix, layer_specs, weight_formats)
 from k2trt.safetensors_io import CheckpointError, SafetensorsFile
 
 __all__ = ["Checkpoint", "CheckpointError", "HeaderSpec", "INDEX_NAME", "SINGLE_NAME"]
@@ -33,12 +38,27 @@ class HeaderSpec(NamedTuple):
     shape: tuple[int, ...]
     shard: str  # file name inside the checkpoint directory
 
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.dtype, self.shape)
+
+
+def _nbytes(dtype: str, shape) -> int:
+    from k2trt.dtypes import DTYPES
+
+    n = DTYPES[dtype].itemsize if dtype in DTYPES else 0
+    for d in shape:
+        n *= d
+    return n
+
 
 class Checkpoint:
     def __init__(self, root: Path, config: K2Config, weight_map: dict[str, str]):
         self.root = root
         self.config = config
-        self.weight_map = weight_map  # tensor name -> shard file name
+        self.weight_map = weight_map  # tensor name as stored -> shard file name
+        self.prefix = config.weight_prefix
+        weight_formats(config)  # a quantization_config k2trt cannot run is refused before anything is read
         self._shards: dict[str, SafetensorsFile] = {}
         self._globals = {s.name: s for s in global_specs(config)}
         self._layer_specs: dict[str, dict[str, TensorSpec]] = {}  # block kind -> suffix -> spec
@@ -88,17 +108,29 @@ class Checkpoint:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    # ---- names -------------------------------------------------------------------------------
+    def stored(self, name: str) -> str:
+        """The name a text-model tensor has in the files."""
+        return self.prefix + name
+
+    def logical(self, stored: str) -> str | None:
+        """The text model's name of a stored tensor; None for one outside the text model (K2.5's vision tower)."""
+        if not self.prefix:
+            return stored
+        return stored[len(self.prefix):] if stored.startswith(self.prefix) else None
+
     # ---- tensors -------------------------------------------------------------------------------
     def __contains__(self, name: str) -> bool:
-        return name in self.weight_map
+        return self.stored(name) in self.weight_map
 
     def _file_for(self, name: str) -> SafetensorsFile:
-        shard = self.weight_map.get(name)
+        stored = self.stored(name)
+        shard = self.weight_map.get(stored)
         if shard is None:
-            raise CheckpointError(f"{self.root}: tensor {name!r} is not in the checkpoint")
+            raise CheckpointError(f"{self.root}: tensor {stored!r} is not in the checkpoint")
         f = self.shard(shard)
-        if name not in f:
-            raise CheckpointError(f"{f.path}: tensor {name!r} is listed in {INDEX_NAME} for this shard "
+        if stored not in f:
+            raise CheckpointError(f"{f.path}: tensor {stored!r} is listed in {INDEX_NAME} for this shard "
                                   f"but the shard's header does not have it")
         return f
 
@@ -121,19 +153,19 @@ class Checkpoint:
         """The file holding `name`, after checking its header entry against the weight table."""
         f = self._file_for(name)
         spec = self.spec(name)
-        info = f.info(name)
-        if spec is not None and (info.shape != spec.shape or info.dtype_name != spec.dtype):
-            raise CheckpointError(f"{f.path}: tensor {name!r} is {info.dtype_name} {list(info.shape)}, the config "
-                                  f"expects {spec.dtype} {list(spec.shape)}")
+        info = f.info(self.stored(name))
+        if spec is not None and (info.shape != spec.shape or not spec.accepts(info.dtype_name)):
+            raise CheckpointError(f"{f.path}: tensor {self.stored(name)!r} is {info.dtype_name} {list(info.shape)}, "
+                                  f"the config expects {spec.dtype} {list(spec.shape)}")
         return f
 
     def tensor(self, name: str) -> torch.Tensor:
         """Zero-copy, memory-mapped; checked against the weight table."""
-        return self._checked(name).tensor(name)
+        return self._checked(name).tensor(self.stored(name))
 
     def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """A copy, read without mapping (see SafetensorsFile.read); checked against the weight table."""
-        return self._checked(name).read(name, out)
+        return self._checked(name).read(self.stored(name), out)
 
     def layer(self, i: int) -> dict[str, torch.Tensor]:
         """The weight table's tensors of layer i, keyed by the suffix after `model.layers.{i}.` (zero-copy)."""
@@ -152,18 +184,27 @@ class Checkpoint:
         return assemble_block_weights(self.config, i, lambda suffix, out: self.read(prefix + suffix, out))
 
     # ---- headers and validation -----------------------------------------------------------------
-    def header_specs(self) -> dict[str, HeaderSpec]:
-        """name -> (dtype, shape, shard) for every tensor in every shard, from the headers only."""
+    def _headers(self) -> dict[str, HeaderSpec]:
+        """stored name -> (dtype, shape, shard) for every tensor in every shard, from the headers only."""
         out: dict[str, HeaderSpec] = {}
         for shard in sorted(set(self.weight_map.values())):
             for info in self.shard(shard).infos.values():
                 out[info.name] = HeaderSpec(info.dtype_name, info.shape, shard)
         return out
 
+    def header_specs(self) -> dict[str, HeaderSpec]:
+        """The text model's tensors by their names (graphs/weights.py): (dtype, shape, shard), from the headers."""
+        return {name: h for stored, h in self._headers().items() if (name := self.logical(stored)) is not None}
+
+    def other_tensors(self) -> dict[str, HeaderSpec]:
+        """The tensors outside the text model, by their stored names (K2.5's vision tower): listed, never loaded."""
+        return {stored: h for stored, h in self._headers().items() if self.logical(stored) is None}
+
     def problems(self, config: K2Config | None = None) -> list[str]:
         """Every difference between the config's tensor table and the index and headers (no data read)."""
         expected: dict[str, TensorSpec] = checkpoint_specs(config or self.config)
         headers = self.header_specs()
+        stored = self.stored
         out: list[str] = []
         seen: dict[str, str] = {}
         for shard in sorted(set(self.weight_map.values())):
@@ -171,29 +212,49 @@ class Checkpoint:
                 if name in seen:
                     out.append(f"{self.root / shard}: tensor {name!r} is also in {seen[name]}")
                 seen[name] = shard
+        all_headers = self._headers()
         for name, shard in self.weight_map.items():
-            if name not in headers or headers[name].shard != shard:
+            if name not in all_headers or all_headers[name].shard != shard:
                 out.append(f"{self.root / shard}: tensor {name!r} is listed in {INDEX_NAME} for this shard "
                            f"but the shard's header does not have it")
+        for name, h in all_headers.items():
+            if self.weight_map.get(name) != h.shard:
+                out.append(f"{self.root / h.shard}: tensor {name!r} is in the shard but {INDEX_NAME} does not place "
+                           f"it there")
         for name, h in headers.items():
             where = self.root / h.shard
-            if self.weight_map.get(name) != h.shard:
-                out.append(f"{where}: tensor {name!r} is in the shard but {INDEX_NAME} does not place it there")
             spec = expected.get(name)
             if spec is None and self._is_mtp(name, config or self.config):
                 continue  # DeepSeek-V3's multi-token-prediction layers: present, and not used for generation
             if spec is None:
-                out.append(f"{where}: unexpected tensor {name!r} (not part of this config's model)")
-            elif h.dtype != spec.dtype:
-                out.append(f"{where}: tensor {name!r} has dtype {h.dtype}, expected {spec.dtype}")
+                out.append(f"{where}: unexpected tensor {stored(name)!r} (not part of this config's model)")
+            elif not spec.accepts(h.dtype):
+                out.append(f"{where}: tensor {stored(name)!r} has dtype {h.dtype}, expected {spec.dtype}")
             elif h.shape != spec.shape:
-                out.append(f"{where}: tensor {name!r} has shape {list(h.shape)}, expected {list(spec.shape)}")
+                out.append(f"{where}: tensor {stored(name)!r} has shape {list(h.shape)}, expected {list(spec.shape)}")
+            elif spec.kind == SHAPE:
+                out += self._shape_problems(name, expected)
         for name in expected:
-            if name not in headers and name not in self.weight_map:  # else reported above
-                shard = self.weight_map.get(name)
+            if name not in headers and stored(name) not in self.weight_map:  # else reported above
+                shard = self.weight_map.get(stored(name))
                 where = self.root / shard if shard else self.root
-                out.append(f"{where}: missing tensor {name!r}")
+                out.append(f"{where}: missing tensor {stored(name)!r}")
         return out
+
+    def _shape_problems(self, name: str, expected: dict[str, TensorSpec]) -> list[str]:
+        """An INT4 weight's weight_shape, read and checked: two positive ints, the (out, in) the config gives."""
+        f = self._file_for(name)
+        value = [int(v) for v in f.read(self.stored(name)).tolist()]
+        packed = expected[name.removesuffix("weight_shape") + "weight_packed"]
+        scale = expected[name.removesuffix("weight_shape") + "weight_scale"]
+        want = [packed.shape[0], packed.shape[1] * packed.pack]
+        where = f"{f.path}: tensor {self.stored(name)!r}"
+        if len(value) != 2 or min(value) <= 0:
+            return [f"{where} is {value}, not two positive ints"]
+        if value != want:
+            return [f"{where} is {value}, but the config's weight_packed {list(packed.shape)} and weight_scale "
+                    f"{list(scale.shape)} hold {want}"]
+        return []
 
     @staticmethod
     def _is_mtp(name: str, cfg: K2Config) -> bool:
@@ -204,10 +265,16 @@ class Checkpoint:
         return layer.isdigit() and cfg.num_hidden_layers <= int(layer) < cfg.num_hidden_layers + cfg.num_nextn_predict_layers
 
     def check_tensors(self, names) -> None:
-        """Check just these tensors' headers against the weight table before any is read (a pipeline stage checks
-        its own: it never opens another stage's files)."""
+        """Check just these tensors' headers against the weight table (and INT4 weight_shapes' values) before any
+        weight is read (a pipeline stage checks its own: it never opens another stage's files)."""
+        expected = None
         for name in names:
             self._checked(name)
+            if name.endswith(".weight_shape"):
+                expected = expected or checkpoint_specs(self.config)
+                found = self._shape_problems(name, expected)
+                if found:
+                    raise CheckpointError(found[0])
 
     def validate(self, config: K2Config | None = None) -> None:
         """Raise one CheckpointError unless every expected tensor is present with its exact shape and dtype,

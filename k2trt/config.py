@@ -15,6 +15,7 @@ from typing import Any
 
 from k2trt.errors import K2Error
 from k2trt.files import read_json_object
+from k2trt.quantization import Quantization, QuantizationError, parse_quantization
 
 
 class ConfigError(K2Error, ValueError):
@@ -22,6 +23,11 @@ class ConfigError(K2Error, ValueError):
 
 
 SUPPORTED_MODEL_TYPES = ("kimi_k2", "deepseek_v3")
+
+# How a release lays the text model out: K2 and K2-Thinking are DeepseekV3ForCausalLM at the top of config.json and
+# of the tensor names; K2.5 and K2.6 nest it in a vision-language model (`text_config`, tensors under
+# `language_model.`, beside a vision tower k2trt never loads). layout -> (config.json wrapper, tensor name prefix).
+LAYOUTS = {"k2": None, "k2.5": ("kimi_k25", "KimiK25ForConditionalGeneration", "language_model.")}
 
 # The block kinds: one graph (and one engine) each; K2Config.layer_kind names a layer's.
 BLOCK_KINDS = ("embedding", "dense_block", "moe_block", "head")
@@ -84,10 +90,18 @@ class K2Config:
     num_nextn_predict_layers: int = 0
     bos_token_id: int = 163584
     eos_token_id: int = 163585
-    weight_block_size: tuple[int, int] = (128, 128)
     torch_dtype: str = "bfloat16"
+    # not HF fields of the text config: how the checkpoint stores the model (see LAYOUTS, k2trt/quantization.py)
+    layout: str = "k2"
+    quantization: Quantization = field(default_factory=Quantization)
 
     # ---- derived quantities -------------------------------------------------------------------
+    @property
+    def weight_prefix(self) -> str:
+        """What the checkpoint puts before every text-model tensor name ("language_model." in K2.5)."""
+        wrapper = LAYOUTS[self.layout]
+        return wrapper[2] if wrapper else ""
+
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -129,16 +143,12 @@ class K2Config:
 
     # ---- HF config.json -----------------------------------------------------------------------
     def to_hf_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d.pop("weight_block_size")
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("layout", "quantization")}
         d["rope_scaling"] = None if self.rope_scaling is None else dataclasses.asdict(self.rope_scaling)
         d["architectures"] = ["DeepseekV3ForCausalLM"]
-        d["quantization_config"] = {
-            "activation_scheme": "dynamic",
-            "fmt": "e4m3",
-            "quant_method": "fp8",
-            "weight_block_size": list(self.weight_block_size),
-        }
+        q = self.quantization.to_hf_dict()
+        if q is not None:
+            d["quantization_config"] = q
         d["hidden_act"] = "silu"
         d["ep_size"] = 1
         d["use_cache"] = True
@@ -152,7 +162,17 @@ class K2Config:
             "AutoModel": "modeling_deepseek.DeepseekV3Model",
             "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
         }
-        return d
+        wrapper = LAYOUTS[self.layout]
+        if wrapper is None:
+            return d
+        # K2.5: the text model nested; the quantization_config (whose names carry the prefix) at the top
+        model_type, architecture, _ = wrapper
+        d.pop("architectures")
+        d.pop("auto_map")
+        top = {"architectures": [architecture], "model_type": model_type, "text_config": d}
+        if "quantization_config" in d:
+            top["quantization_config"] = d.pop("quantization_config")
+        return top
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "K2Config":
@@ -194,7 +214,26 @@ _REQUIRED = (
 )
 
 
+def _unwrap(raw: dict[str, Any], source: str) -> tuple[dict[str, Any], str, Any]:
+    """(the text model's config, layout, quantization_config) of a config.json of either layout."""
+    if "text_config" not in raw:
+        return raw, "k2", raw.get("quantization_config")
+    layout = next((k for k, w in LAYOUTS.items() if w and w[0] == raw.get("model_type")), None)
+    if layout is None:
+        raise ConfigError(f"{source}: model_type {raw.get('model_type')!r} with a text_config is not a layout k2trt "
+                          f"reads (expected {', '.join(w[0] for w in LAYOUTS.values() if w)})")
+    text = raw["text_config"]
+    if not isinstance(text, dict):
+        raise ConfigError(f"{source}: text_config must be an object")
+    top, inner = raw.get("quantization_config"), text.get("quantization_config")
+    if top is not None and inner is not None and top != inner:
+        raise ConfigError(f"{source}: quantization_config and text_config.quantization_config disagree; "
+                          f"k2trt reads one")
+    return text, layout, top if top is not None else inner
+
+
 def _parse(raw: dict[str, Any], source: str) -> K2Config:
+    raw, layout, q = _unwrap(raw, source)
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
@@ -210,7 +249,7 @@ def _parse(raw: dict[str, Any], source: str) -> K2Config:
     names = {f.name: f for f in dataclasses.fields(K2Config)}
     kwargs: dict[str, Any] = {}
     for key, f in names.items():
-        if key in ("rope_scaling", "weight_block_size") or key not in raw:
+        if key in ("rope_scaling", "layout", "quantization") or key not in raw:
             continue
         kwargs[key] = raw[key]
 
@@ -220,19 +259,16 @@ def _parse(raw: dict[str, Any], source: str) -> K2Config:
     elif rs != "absent":
         kwargs["rope_scaling"] = _parse_rope_scaling(rs, source)
 
-    q = raw.get("quantization_config")
-    if q is not None:
-        if not isinstance(q, dict):
-            raise ConfigError(f"{source}: quantization_config must be an object")
-        if q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3":
-            raise ConfigError(f"{source}: quantization_config must be fp8 e4m3, got {q.get('quant_method')!r}/{q.get('fmt')!r}")
-        bs = q.get("weight_block_size", [128, 128])
-        if not isinstance(bs, list) or len(bs) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) for b in bs):
-            raise ConfigError(f"{source}: quantization_config.weight_block_size must be two integers, got {bs!r}")
-        kwargs["weight_block_size"] = tuple(bs)
+    try:
+        kwargs["quantization"] = parse_quantization(q, source)
+    except QuantizationError as e:
+        raise ConfigError(str(e)) from None
+    kwargs["layout"] = layout
 
     # Types: ints stay ints, floats become floats, so a hand-edited "50000" is caught below.
     for key, value in list(kwargs.items()):
+        if key in ("layout", "quantization"):
+            continue
         default = names[key].default
         if isinstance(default, bool):
             if not isinstance(value, bool):
@@ -309,10 +345,16 @@ MAX_TENSORS = 1 << 21  # [139,583]: inspect and validation visit every tensor th
 
 
 def tensor_count(cfg: K2Config) -> int:
-    """Tensors the config names (graphs/weights.checkpoint_specs; a test keeps the two in step): the three globals,
-    20 per dense layer (2 norms, 12 of attention, 6 of the MLP), 22 + 6 per expert per MoE layer."""
+    """Tensors the config names at most (graphs/weights.checkpoint_specs; a test keeps the two in step): the three
+    globals, per dense layer 2 norms, 2 norm weights of attention and its 5 linears, the MLP's 3; per MoE layer the
+    same plus the router's 2 and 3 linears per expert and 3 for the shared expert. A linear is 2 tensors in FP8
+    (weight, scales), 1 in bf16, and at most 3 under compressed-tensors (packed, scales, shape): exact for FP8 and
+    bf16 checkpoints, an upper bound for INT4 ones (whose bf16 linears store one)."""
+    per_linear = {"fp8": 2, None: 1}.get(cfg.quantization.method, 3)
     moe = cfg.num_moe_layers
-    return 3 + 20 * (cfg.num_hidden_layers - moe) + (22 + 6 * cfg.n_routed_experts) * moe
+    dense_layer = 4 + 8 * per_linear
+    moe_layer = 6 + (5 + 3 + 3 * cfg.n_routed_experts) * per_linear
+    return 3 + dense_layer * (cfg.num_hidden_layers - moe) + moe_layer * moe
 
 
 def _validate(cfg: K2Config, source: str) -> None:
@@ -359,20 +401,20 @@ def _validate(cfg: K2Config, source: str) -> None:
         raise bad("tie_word_embeddings true is not supported (K2's lm_head is untied)")
     if cfg.attention_bias:
         raise bad("attention_bias true is not supported")
-    if tuple(cfg.weight_block_size) != (128, 128):
-        raise bad(f"weight_block_size {list(cfg.weight_block_size)} is not supported (only [128, 128])")
     if not 0 <= cfg.bos_token_id < cfg.vocab_size or not 0 <= cfg.eos_token_id < cfg.vocab_size:
         raise bad(f"bos/eos token ids ({cfg.bos_token_id}/{cfg.eos_token_id}) must lie in the vocabulary "
                   f"(vocab_size {cfg.vocab_size})")
     # The W8A8 path quantizes activations in 1x128 groups: every input dimension of an FP8 linear
-    # must be a whole number of groups.
+    # must be a whole number of groups. (INT4 group sizes are checked against the shapes in graphs/weights.py.)
+    fp8 = cfg.quantization.method == "fp8"
     for name, k in (("hidden_size", cfg.hidden_size), ("q_lora_rank", cfg.q_lora_rank),
                     ("kv_lora_rank", cfg.kv_lora_rank),
                     ("num_attention_heads*v_head_dim", cfg.num_attention_heads * cfg.v_head_dim),
                     ("intermediate_size", cfg.intermediate_size),
                     ("moe_intermediate_size", cfg.moe_intermediate_size)):
-        if k % cfg.weight_block_size[1]:
-            raise bad(f"{name} ({k}) must be a multiple of {cfg.weight_block_size[1]} (FP8 activation groups)")
+        block = cfg.quantization.weight_block_size[1]
+        if fp8 and k % block:
+            raise bad(f"{name} ({k}) must be a multiple of {block} (FP8 activation groups)")
     if tensor_count(cfg) > MAX_TENSORS:
         raise bad(f"{tensor_count(cfg):,} tensors ({cfg.num_hidden_layers} layers x {cfg.n_routed_experts} experts) "
                   f"is beyond what k2trt accepts ({MAX_TENSORS:,}; K2 has 139,583)")
@@ -381,6 +423,33 @@ def _validate(cfg: K2Config, source: str) -> None:
 def kimi_k2() -> K2Config:
     """Exactly Kimi-K2-Instruct's config.json."""
     return K2Config()
+
+
+# Kimi-K2-Thinking's quantization_config as its config.json publishes it: the routed experts INT4 (compressed-tensors
+# pack-quantized, symmetric, group 32, QAT), attention, the shared experts, the dense MLP and lm_head left bf16
+# (`targets: Linear` never reaches the router, the norms or the embedding: they are no Linear).
+KIMI_K2_THINKING_QUANTIZATION = {
+    "config_groups": {"group_0": {
+        "input_activations": None, "output_activations": None, "targets": ["Linear"],
+        "weights": {"actorder": None, "block_structure": None, "dynamic": False, "group_size": 32, "num_bits": 4,
+                    "observer": "minmax", "observer_kwargs": {}, "strategy": "group", "symmetric": True,
+                    "type": "int"}}},
+    "format": "pack-quantized",
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+    "kv_cache_scheme": None,
+    "quant_method": "compressed-tensors",
+    "quantization_status": "compressed",
+}
+# K2.5 and K2.6 ignore by regular expression, the vision tower and its projector too (their names carry prefixes)
+KIMI_K25_QUANTIZATION = {**KIMI_K2_THINKING_QUANTIZATION, "ignore": [
+    "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*", "re:.*lm_head.*",
+    "re:.*vision_tower.*", "re:.*mm_projector.*"]}
+
+
+def kimi_k2_thinking() -> K2Config:
+    """Kimi-K2-Thinking: K2's text model at 256k context, its routed experts INT4."""
+    return dataclasses.replace(K2Config(), max_position_embeddings=262144, rope_scaling=RopeScaling(factor=64.0),
+                               quantization=parse_quantization(KIMI_K2_THINKING_QUANTIZATION, "kimi-k2-thinking"))
 
 
 def tiny() -> K2Config:
@@ -404,4 +473,16 @@ def tiny() -> K2Config:
     )
 
 
-PRESETS = {"kimi-k2": kimi_k2, "tiny": tiny}
+def tiny_int4() -> K2Config:
+    """The embedded tiny in K2-Thinking's form: the same model, its routed experts INT4 (group 32)."""
+    return dataclasses.replace(tiny(), quantization=parse_quantization(KIMI_K2_THINKING_QUANTIZATION, "tiny-int4"))
+
+
+def tiny_k25() -> K2Config:
+    """The tiny INT4 model in K2.5's layout: nested in text_config, tensors under language_model."""
+    return dataclasses.replace(tiny(), layout="k2.5",
+                               quantization=parse_quantization(KIMI_K25_QUANTIZATION, "tiny-k2.5"))
+
+
+PRESETS = {"kimi-k2": kimi_k2, "kimi-k2-thinking": kimi_k2_thinking, "tiny": tiny, "tiny-int4": tiny_int4,
+           "tiny-k2.5": tiny_k25}

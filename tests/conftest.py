@@ -48,3 +48,29 @@ def aot_compiled(tmp_path_factory):
     if not out.exists():
         pytest.fail(f"aot_configs wrote no results (exit {r.returncode}): {(r.stderr or r.stdout)[-3000:]}")
     return json.loads(out.read_text())["results"], r.stdout, seconds
+
+
+@pytest.fixture(scope="session")
+def tiny_int4_ckpt(tmp_path_factory):
+    """The tiny K2-Thinking (make-tiny --format int4), made once per session."""
+    from fixtures import tiny_checkpoint
+
+    return tiny_checkpoint(tmp_path_factory, format="int4")
+
+
+@pytest.fixture(scope="session")
+def tiny_k25_ckpt(tmp_path_factory):
+    """The same INT4 weights in K2.5's layout (make-tiny --format k2.5)."""
+    from fixtures import tiny_checkpoint
+
+    return tiny_checkpoint(tmp_path_factory, format="k2.5")
+
+
+@pytest.fixture(scope="session")
+def tiny_int4_export(tiny_int4_ckpt, tmp_path_factory):
+    from k2trt.config import K2Config
+    from k2trt.export.exporter import export
+
+    out = tmp_path_factory.mktemp("tiny-int4-onnx")
+    export(K2Config.from_json(tiny_int4_ckpt), out, "float32", log=lambda *a: None)
+    return out

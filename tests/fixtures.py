@@ -10,14 +10,56 @@ from typing import Callable
 
 from k2trt.tools.tiny import make_tiny
 
-_TINY: dict[int, Path] = {}
+_TINY: dict[tuple[int, str], Path] = {}
 
 
-def tiny_checkpoint(tmp_path_factory, seed: int = 0) -> Path:
-    """The tiny checkpoint for this seed, written once per test session (a few seconds)."""
-    if seed not in _TINY:
-        _TINY[seed] = make_tiny(tmp_path_factory.mktemp(f"tiny-seed{seed}") / "ckpt", seed=seed)
-    return _TINY[seed]
+def tiny_checkpoint(tmp_path_factory, seed: int = 0, format: str = "fp8") -> Path:
+    """The tiny checkpoint for this seed and format (make-tiny --format), written once per test session."""
+    if (seed, format) not in _TINY:
+        _TINY[seed, format] = make_tiny(tmp_path_factory.mktemp(f"tiny-{format}-seed{seed}") / "ckpt", seed=seed,
+                                        format=format)
+    return _TINY[seed, format]
+
+
+def header_only_checkpoint(cfg, out: Path, n_shards: int = 62) -> Path:
+    """A checkpoint directory with every tensor of `cfg` in its headers and no data: each shard's data area is a
+    sparse hole (a 600 GB model takes no disk), but for the INT4 weight_shapes, whose values are written, since
+    validation reads them. For published sizes (K2-Thinking's) without downloading them; the header is written as
+    the safetensors format lays it out (JSON after its 8-byte length, offsets tiling the data area)."""
+    import numpy as np
+
+    from k2trt.checkpoint import INDEX_NAME
+    from k2trt.checkpoint_writer import ordered_specs, shard_name, shard_plan
+    from k2trt.dtypes import dtype as dtype_info
+
+    out.mkdir(parents=True, exist_ok=True)
+    specs_all = ordered_specs(cfg)
+    by_name = {s.name: s for s in specs_all}
+    plan = shard_plan(specs_all, n_shards)
+    weight_map, prefix = {}, cfg.weight_prefix
+    for i, specs in enumerate(plan):
+        name = shard_name(i + 1, len(plan))
+        header, offset, shapes = {"__metadata__": {"format": "pt"}}, 0, []
+        for spec in specs:
+            header[prefix + spec.name] = {"dtype": dtype_info(spec.dtype).safetensors, "shape": list(spec.shape),
+                                          "data_offsets": [offset, offset + spec.nbytes]}
+            if spec.name.endswith(".weight_shape"):
+                packed = by_name[spec.name.removesuffix("shape") + "packed"]
+                shapes.append((offset, [packed.shape[0], packed.shape[1] * packed.pack]))
+            offset += spec.nbytes
+            weight_map[prefix + spec.name] = name
+        blob = json.dumps(header).encode()
+        blob += b" " * (-len(blob) % 8)
+        start = 8 + len(blob)
+        with open(out / name, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)) + blob)
+            for at, value in shapes:
+                f.seek(start + at)
+                f.write(np.asarray(value, np.int32).tobytes())
+            f.truncate(start + offset)
+    (out / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    cfg.write_json(out / "config.json")
+    return out
 
 
 def clone(src: Path, dst: Path, copy: tuple[str, ...] = ()) -> Path:

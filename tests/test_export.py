@@ -27,6 +27,7 @@ from k2trt.graphs.rope import rope_tables
 from k2trt.runtime.backends.ort import OrtBackend
 
 TINY = K2Config.preset("tiny")
+TINY_INT4 = K2Config.preset("tiny-int4")
 TOL = 1e-4
 
 
@@ -135,9 +136,10 @@ def _follows_contract(node, seen: set) -> None:
 
 def test_custom_nodes_follow_their_contracts():
     seen = set()
-    for node in build_block_graph(TINY, "moe_block").graph.node:
-        if node.domain == contracts.NAMESPACE:
-            _follows_contract(node, seen)
+    for cfg in (TINY, TINY_INT4):
+        for node in build_block_graph(cfg, "moe_block").graph.node:
+            if node.domain == contracts.NAMESPACE:
+                _follows_contract(node, seen)
     assert seen == {c.op_type for c in contracts.RECORDED}
 
 
@@ -145,17 +147,18 @@ def test_custom_nodes_follow_their_contracts():
 def test_trt_graphs_hold_one_plugin_per_kernel(act, aq):
     """The TensorRT-bound form: MoeFp8 expanded, every custom node a TensorRT contract, dtypes as the contract
     says for this activation dtype and FP8 mode (shape inference runs through the annotations)."""
-    model = split_moe(build_block_graph(TINY, "moe_block", act, aq))
-    check_trt_operators(model, "trt/moe_block")
-    types = {name: t.elem_type for name, t in value_types(model).items()}
     seen = set()
-    for node in model.graph.node:
-        if node.domain != contracts.NAMESPACE:
-            continue
-        _follows_contract(node, seen)
-        c = contracts.CONTRACTS[node.op_type]
-        for port, value in zip(c.inputs + c.outputs, list(node.input) + list(node.output)):
-            assert types[value] == onnx_elem(port.dtype_for(act, aq)), (node.name, port.name)
+    for cfg in (TINY, TINY_INT4):
+        model = split_moe(build_block_graph(cfg, "moe_block", act, aq))
+        check_trt_operators(model, "trt/moe_block")
+        types = {name: t.elem_type for name, t in value_types(model).items()}
+        for node in model.graph.node:
+            if node.domain != contracts.NAMESPACE:
+                continue
+            _follows_contract(node, seen)
+            c = contracts.CONTRACTS[node.op_type]
+            for port, value in zip(c.inputs + c.outputs, list(node.input) + list(node.output)):
+                assert types[value] == onnx_elem(port.dtype_for(act, aq)), (node.name, port.name)
     assert seen == {c.op_type for c in contracts.TENSORRT}
 
 

@@ -194,8 +194,8 @@ def test_absorbed_attention_equals_expanded(model):
     mask = simple_mask(b, 0, t)
     w = model.layer_weights(1)
     empty = torch.zeros(b, 0, TINY.latent_dim)
-    absorbed, _ = blocks.attention(OPS, TINY, x, cos, sin, mask, empty, w, WEIGHT_DEQUANT)
-    expanded = attention_expanded(OPS, TINY, x, cos, sin, mask, w, WEIGHT_DEQUANT)
+    absorbed, _ = blocks.attention(OPS, TINY, "moe_block", x, cos, sin, mask, empty, w, WEIGHT_DEQUANT)
+    expanded = attention_expanded(OPS, TINY, "moe_block", x, cos, sin, mask, w, WEIGHT_DEQUANT)
     assert rel_err(absorbed, expanded) < 1e-5
 
 

@@ -17,9 +17,9 @@ FOLDERS = {"k2trt": "k2trt", "k2trt.graphs": "graphs", "k2trt.export": "export",
 LAYERS = [
     ("base", ["k2trt", "k2trt.errors", "k2trt.files", "k2trt.atomic", "k2trt.dtypes", "k2trt.schema", "k2trt.args",
               "k2trt.dirlock"]),
-    ("config", ["k2trt.config"]),
+    ("config", ["k2trt.config", "k2trt.quantization"]),
     ("graphs", ["k2trt.graphs"]),
-    ("checkpoint", ["k2trt.safetensors_io", "k2trt.checkpoint", "k2trt.checkpoint_writer"]),
+    ("checkpoint", ["k2trt.safetensors_io", "k2trt.checkpoint", "k2trt.checkpoint_writer", "k2trt.hub"]),
     ("artifacts", ["k2trt.export_manifest"]),
     ("export", ["k2trt.export"]),
     # the runtime's rooms, one way too: kernels, the backend contract, TensorRT, the other backends and their

@@ -290,18 +290,25 @@ def test_plugin_functions_have_the_signatures_tensorrt_checks():
             assert list(inspect.signature(fn).parameters) == expected[role], (op, role)
 
 
-@pytest.mark.parametrize("kind, act, aq", [("moe_block", "bfloat16", 1), ("moe_block", "float16", 0),
-                                           ("dense_block", "float32", 1)])
-def test_exported_nodes_match_the_plugins(kind, act, aq):
+FP8_MOE_NODES = {c.op_type for c in (contracts.FP8_BLOCK_LINEAR, *contracts.MOE_STAGES)}
+INT4_MOE_NODES = {c.op_type for c in contracts.MOE_INT4_STAGES}  # attention and the shared expert are bf16 MatMuls
+
+
+@pytest.mark.parametrize("cfg, kind, act, aq, nodes", [
+    (TINY, "moe_block", "bfloat16", 1, FP8_MOE_NODES), (TINY, "moe_block", "float16", 0, FP8_MOE_NODES),
+    (TINY, "dense_block", "float32", 1, {"Fp8BlockLinear"}),
+    (K2Config.preset("tiny-int4"), "moe_block", "bfloat16", 1, INT4_MOE_NODES),
+    (K2Config.preset("tiny-int4"), "moe_block", "float32", 0, INT4_MOE_NODES)])
+def test_exported_nodes_match_the_plugins(cfg, kind, act, aq, nodes):
     """Each node of a TensorRT-bound graph: the plugin's attributes, dtypes (as register derives them) and output
     shapes (its rule against the exporter's annotation, at two values of B and T)."""
     from k2trt.export.split_moe import split_moe
 
-    model = split_moe(build_block_graph(TINY, kind, act, aq))
+    model = split_moe(build_block_graph(cfg, kind, act, aq))
     types = value_types(model)
     specs = plugins.plugin_specs()
     custom = [n for n in model.graph.node if n.domain == contracts.NAMESPACE]
-    assert {n.op_type for n in custom} == (set(specs) if kind == "moe_block" else {"Fp8BlockLinear"})
+    assert {n.op_type for n in custom} == nodes
     for node in custom:
         spec = specs[node.op_type]
         attrs = {a.name: a for a in node.attribute}
@@ -334,7 +341,7 @@ def test_aot_attribute_is_written_on_every_plugin_node(tmp_path):
         for node in onnx.load_from_string(data).graph.node:
             values = [a.i for a in node.attribute if a.name == "aot"]
             assert values == ([int(aot)] if node.domain == contracts.NAMESPACE else []), node.name
-        assert used == {op: "aot" if aot else "jit" for op in sorted(plugins.plugin_specs())}
+        assert used == {op: "aot" if aot else "jit" for op in sorted(FP8_MOE_NODES)}
 
 
 def test_cuda_array_interface_for_types_tensorrt_refuses():
@@ -815,12 +822,14 @@ def test_aot_kernels_compile_to_ptx_for_hopper():
     (pointers are declared 16-byte aligned), shared memory within the AOT limit."""
     code = textwrap.dedent("""
         import re
-        from k2trt.runtime.trt import aot, aot_linear, aot_moe
+        from k2trt.runtime.trt import aot, aot_linear, aot_moe, aot_moe_int4
         target = aot.Target(90, 88)
         launches = [aot_moe.AlignLaunch(16), aot_moe.CombineLaunch(256, 2, "bfloat16"),
                  aot_moe.gemm_launch("gate_up", 16, 128, 256, "bfloat16", 1, 1),
                  aot_moe.gemm_launch("down", 16, 256, 512, "bfloat16", 1, 1),
-                 aot_linear.linear_launch("bfloat16", 1536, 7168, 1, 1), aot_linear.linear_launch("bfloat16", 1536, 7168, 1, 1)]
+                 aot_linear.linear_launch("bfloat16", 1536, 7168, 1, 1), aot_linear.linear_launch("bfloat16", 1536, 7168, 1, 1),
+                 aot_moe_int4.int4_gemm_launch("gate_up", 16, 128, 256, 32, "bfloat16", 3),
+                 aot_moe_int4.int4_gemm_launch("down", 16, 256, 128, 32, "bfloat16", 2)]
         names = set()
         for launch in launches:
             launch, k = aot.compile_launch(launch, target)
@@ -840,7 +849,7 @@ def test_aot_kernels_compile_to_ptx_for_hopper():
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "ok 6" in r.stdout
+    assert "ok 8" in r.stdout
 
 
 # ---- build helpers -------------------------------------------------------------------------------------------

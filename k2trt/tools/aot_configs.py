@@ -2,7 +2,8 @@
 architecture, on a CPU (Triton's compiler and its bundled ptxas; no GPU, no TensorRT).
 
 The launches are those of the plugin nodes in the TensorRT-bound graphs (every node kind, every activation dtype,
-both FP8 modes, the tiny and K2 configs — K2 also in expert ranges —, every tactic) and of `k2trt doctor`'s
+both FP8 modes, the tiny and K2 configs with FP8 and with INT4 experts — K2 also in expert ranges —, every
+tactic) and of `k2trt doctor`'s
 one-node cases, each made by the
 plugins' own table (runtime/trt/aot_nodes.py). Launches that compile to the same code (aot.config_key) are
 compiled once. For each: the configuration compile_launch settles on (it shrinks until the shared memory fits
@@ -28,7 +29,7 @@ from k2trt.graphs.fp8 import PER_TOKEN_GROUP, WEIGHT_DEQUANT
 
 ARCH = 90  # Hopper (H100 / H200): K2's FP8 kernels need sm_89+, and sm_90 is what the project targets
 PTX = 88  # the PTX ISA a CUDA 12.9 driver loads, the newest a cu12 TensorRT is known to take (environment.py)
-CONFIGS = ("tiny", "kimi-k2")
+CONFIGS = ("tiny", "kimi-k2", "tiny-int4", "kimi-k2-thinking")  # FP8 and INT4 experts (K2-Thinking's)
 MODES = (WEIGHT_DEQUANT, PER_TOKEN_GROUP)
 
 
@@ -137,10 +138,10 @@ def launch_dict(launch) -> dict:
 
 
 def launch_from_dict(d: dict):
-    from k2trt.runtime.trt import aot_linear, aot_moe
+    from k2trt.runtime.trt import aot_linear, aot_moe, aot_moe_int4
 
     classes = {c.__name__: c for c in (aot_linear.LinearLaunch, aot_moe.GemmLaunch, aot_moe.AlignLaunch,
-                                       aot_moe.CombineLaunch)}
+                                       aot_moe.CombineLaunch, aot_moe_int4.Int4GemmLaunch)}
     fields = dict(d)
     return classes[fields.pop("type")](**fields)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from k2trt.errors import K2Error, MissingDependency
 from k2trt.tools.synthetic import synthetic_prompts
+from k2trt.hub import model_dir
 
 RUNTIME, TRANSFORMERS, REFERENCE = "runtime", "transformers", "reference"
 PHASES = ("prefill", "decode")
@@ -31,7 +32,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--model", type=model_dir, required=True)
     p.add_argument("--onnx", type=Path, required=True)
     p.add_argument("--batch", type=_int_list, default=[1, 4, 16], help="batch sizes, comma-separated")
     p.add_argument("--prompt-len", type=_int_list, default=[16, 128, 512], help="prompt lengths, comma-separated")

@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from k2trt.errors import K2Error
+from k2trt.hub import model_dir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", type=Path, help="checkpoint directory: start a server for it")
+    src.add_argument("--model", type=model_dir, help="checkpoint directory (or owner/name from the HF cache): start a server for it")
     src.add_argument("--url", help="a running k2trt (or other OpenAI-compatible) server instead")
     p.add_argument("--onnx", type=Path, help="export directory for the started server")
     p.add_argument("--engines", type=Path, help="engine directory for the started server")

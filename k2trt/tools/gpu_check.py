@@ -1,6 +1,7 @@
 """`python -m k2trt.tools.gpu_check` (`make gpu-check`): the Triton kernels at full Kimi K2 shapes on a
 CUDA GPU — accuracy against the torch references of graphs/ (fp32 emulation, same functions the CPU tests use)
-and time against plain torch (dequantize + per-expert loop, as moe_infer does), in one run of a few minutes.
+and time against plain torch (dequantize + per-expert loop, as moe_infer does), in one run of a few minutes. The
+routed experts run twice: FP8 blocks (Kimi K2) and INT4 groups of 32 (K2-Thinking, K2.5), at the same shapes.
 
 The measuring code is device-agnostic, so tests/test_kernels.py runs it on CPU at tiny shapes; only main()
 insists on CUDA. `--compile-only` needs no GPU: it compiles every kernel variant for sm_90 (lowering, ptxas,
@@ -21,10 +22,12 @@ import torch.nn.functional as F
 from k2trt.config import K2Config
 from k2trt.graphs.fp8 import BLOCK, PER_TOKEN_GROUP, cdiv, dequant_weight
 from k2trt.graphs.fp8 import fp8_block_linear as ref_linear
-from k2trt.graphs.moe_ref import moe_fp8_reference
+from k2trt.graphs import int4
+from k2trt.graphs.moe_ref import moe_fp8_reference, moe_int4_reference
 
 NO_GPU = "gpu-check: needs a CUDA GPU (torch.cuda.is_available() is False)"
 REL_TOL = 1e-2  # bf16 outputs plus rare one-step flips of the fp8 re-quantized h (see tests/test_kernels.py)
+INT4_GROUP = 32  # K2-Thinking's and K2.5's group size
 
 
 # ---------------------------------------------------------------------------------------------- cost model
@@ -36,6 +39,12 @@ def scale_bytes(n: int, k: int) -> int:
 def moe_bytes(num_tokens: int, experts_touched: int, d: int, inter: int, act_bytes: int) -> int:
     """Bytes that must be read: fp8 gate/up/down weights and scales of each distinct expert touched, plus x."""
     per_expert = 3 * d * inter + 2 * scale_bytes(inter, d) + scale_bytes(d, inter)
+    return experts_touched * per_expert + num_tokens * d * act_bytes
+
+
+def moe_int4_bytes(num_tokens: int, experts_touched: int, d: int, inter: int, act_bytes: int, group: int) -> int:
+    """As moe_bytes for INT4 experts: half a byte per weight, a bf16 scale per group of `group`."""
+    per_expert = 3 * d * inter // 2 + 3 * (d * inter // group) * 2
     return experts_touched * per_expert + num_tokens * d * act_bytes
 
 
@@ -102,9 +111,10 @@ def markdown_report(rows: list[Row], gpu: str, when: datetime.datetime | None = 
 
 # ---------------------------------------------------------------------------------------------- baselines
 
-def torch_moe(x, topk_ids, topk_weights, gate_w, gate_s, up_w, up_s, down_w, down_s):
+def torch_moe(x, topk_ids, topk_weights, gate_w, gate_s, up_w, up_s, down_w, down_s, dequant=dequant_weight):
     """Plain torch MoE as modeling_deepseek's moe_infer: sort pairs, per expert dequantize its weights to x's dtype
-    and run gate/up/down with F.linear, scatter back, weight and sum."""
+    (FP8 blocks, or INT4 groups with dequant=graphs.int4.dequant_weight) and run gate/up/down with F.linear,
+    scatter back, weight and sum."""
     x2 = x.reshape(-1, x.shape[-1])
     k = topk_ids.shape[-1]
     ids = topk_ids.reshape(-1).long()
@@ -117,9 +127,9 @@ def torch_moe(x, topk_ids, topk_weights, gate_w, gate_s, up_w, up_s, down_w, dow
         if n == 0:
             continue
         t = xs[start:start + n]
-        g = F.linear(t, dequant_weight(gate_w[e], gate_s[e], x.dtype))
-        u = F.linear(t, dequant_weight(up_w[e], up_s[e], x.dtype))
-        outs[start:start + n] = F.linear(F.silu(g) * u, dequant_weight(down_w[e], down_s[e], x.dtype))
+        g = F.linear(t, dequant(gate_w[e], gate_s[e], x.dtype))
+        u = F.linear(t, dequant(up_w[e], up_s[e], x.dtype))
+        outs[start:start + n] = F.linear(F.silu(g) * u, dequant(down_w[e], down_s[e], x.dtype))
         start += n
     per_pair = torch.empty_like(outs)
     per_pair[order] = outs
@@ -167,6 +177,17 @@ def random_experts(num_experts: int, n: int, k: int, device, generator=None):
     return w, (s + 0.5) / (32 * k ** 0.5)
 
 
+def random_int4_experts(num_experts: int, n: int, k: int, group: int, device, generator=None):
+    """Random INT4 expert weights: packed int32 [E, n, k/8] (compressed-tensors' packing) and bf16 group scales
+    [E, n, k/group], dequantized std ≈ 1/√k."""
+    packed = torch.empty(num_experts, n, k // 8, dtype=torch.int32, device=device)
+    for e in range(0, num_experts, 16):  # chunked: packing makes int32 copies of the int8 values
+        q = torch.randint(-8, 8, (min(16, num_experts - e), n, k), device=device, generator=generator)
+        packed[e:e + 16] = int4.pack(q.to(torch.int8))
+    s = torch.rand(num_experts, n, k // group, device=device, generator=generator)
+    return packed, ((s + 0.5) / (4.6 * k ** 0.5)).to(torch.bfloat16)
+
+
 def random_routing(tokens: int, num_experts: int, top_k: int, device, generator=None):
     ids = torch.rand(tokens, num_experts, device=device, generator=generator).topk(top_k, dim=-1).indices
     w = torch.rand(tokens, top_k, device=device, generator=generator) + 0.1
@@ -207,6 +228,35 @@ def check_moe(tokens_list, num_experts: int, d: int, inter: int, top_k: int, dev
     return rows
 
 
+def check_moe_int4(tokens_list, num_experts: int, d: int, inter: int, top_k: int, group: int, device,
+                   dtype=torch.bfloat16, max_check_tokens: int = 512, iters: int = 10, warmup: int = 2, seed: int = 0,
+                   log=None) -> list[Row]:
+    """The INT4 (W4A16) grouped GEMMs of K2-Thinking's experts, beside check_moe's FP8 ones."""
+    from k2trt.runtime.kernels.moe_int4 import moe_int4
+    gen = torch.Generator(device=device).manual_seed(seed)
+    args = (*random_int4_experts(num_experts, inter, d, group, device, gen),
+            *random_int4_experts(num_experts, inter, d, group, device, gen),
+            *random_int4_experts(num_experts, d, inter, group, device, gen))
+    rows = []
+    for t in tokens_list:
+        x = torch.randn(t, d, device=device, generator=gen).to(dtype)
+        ids, w = random_routing(t, num_experts, top_k, device, gen)
+        y = moe_int4(x, ids, w, *args, group_size=group)
+        c = min(t, max_check_tokens)  # tokens are independent: a prefix subset is a valid check
+        ref = moe_int4_reference(x[:c], ids[:c], w[:c], *args)
+        max_abs, rel = _err(y[:c], ref)
+        del ref
+        tri = time_ms(lambda: moe_int4(x, ids, w, *args, group_size=group), device, warmup, iters)
+        tor = time_ms(lambda: torch_moe(x, ids, w, *args, dequant=int4.dequant_weight), device, min(warmup, 1), iters)
+        touched = int(torch.unique(ids).numel())
+        rows.append(Row(f"moe int4 g{group} E{num_experts} top{top_k} d{d} I{inter}", t, max_abs, rel, tri, tor,
+                        moe_int4_bytes(t, touched, d, inter, x.element_size(), group),
+                        moe_flops(t * top_k, d, inter), c))
+        if log:
+            log(rows[-1])
+    return rows
+
+
 def check_linear(name: str, n: int, k: int, tokens_list, device, dtype=torch.bfloat16,
                  activation_quant: int = PER_TOKEN_GROUP, iters: int = 20, warmup: int = 3,
                  seed: int = 1, log=None) -> list[Row]:
@@ -230,11 +280,14 @@ def check_linear(name: str, n: int, k: int, tokens_list, device, dtype=torch.bfl
 
 def run_all(device, tokens_list, linear_tokens, activation_quant: int = PER_TOKEN_GROUP,
             cfg: K2Config | None = None, log=None) -> list[Row]:
-    """The MoE at K2's shapes for each token count, then the dense linear at q_a and o_proj shapes."""
+    """The MoE at K2's shapes for each token count (FP8 experts, then INT4 experts as K2-Thinking stores them), then
+    the dense linear at q_a and o_proj shapes."""
     cfg = cfg or K2Config()
     d, inter = cfg.hidden_size, cfg.moe_intermediate_size
     rows = check_moe(tokens_list, cfg.n_routed_experts, d, inter, cfg.num_experts_per_tok, device,
                      activation_quant=activation_quant, log=log)
+    rows += check_moe_int4(tokens_list, cfg.n_routed_experts, d, inter, cfg.num_experts_per_tok, INT4_GROUP,
+                           device, log=log)
     for name, n, k in (("q_a", cfg.q_lora_rank, d), ("o_proj", d, cfg.num_attention_heads * cfg.v_head_dim)):
         rows += check_linear(name, n, k, linear_tokens, device, activation_quant=activation_quant, log=log)
     return rows
@@ -250,7 +303,8 @@ def kernel_variants(cfg: K2Config | None = None):
     K2's shapes with bf16 activations, in both activation_quant modes (every MoE tactic, every linear tile)."""
     from k2trt.runtime.kernels import fp8_linear as fl
     from k2trt.runtime.kernels import moe
-    from k2trt.runtime.trt import aot_moe
+    from k2trt.runtime.kernels.moe_int4 import INT4_TACTICS
+    from k2trt.runtime.trt import aot_moe, aot_moe_int4
 
     def variant(label, launch):  # the MoE kernels as their AOT plugins launch them
         return label, launch.kernel, launch.pointer_types(), launch.constexprs(), launch.num_warps, launch.num_stages
@@ -276,6 +330,11 @@ def kernel_variants(cfg: K2Config | None = None):
                                aot_moe.gemm_launch("gate_up", e, inter, d, "bfloat16", aq, tactic)))
             out.append(variant(f"moe down aq{aq} BM{t.block_m}",
                                aot_moe.gemm_launch("down", e, d, inter, "bfloat16", aq, tactic)))
+    for tactic, t in INT4_TACTICS.items():  # W4A16: one mode
+        out.append(variant(f"moe int4 gate_up BM{t.block_m}",
+                           aot_moe_int4.int4_gemm_launch("gate_up", e, inter, d, INT4_GROUP, "bfloat16", tactic)))
+        out.append(variant(f"moe int4 down BM{t.block_m}",
+                           aot_moe_int4.int4_gemm_launch("down", e, d, inter, INT4_GROUP, "bfloat16", tactic)))
     return out
 
 

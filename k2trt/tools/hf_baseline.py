@@ -1,7 +1,9 @@
 """Hugging Face transformers' DeepseekV3ForCausalLM on our checkpoint: the baseline a Python user would pick.
 
 The model is built from our config (K2Config.to_hf_dict) and loaded with the checkpoint's weights, FP8
-dequantized to float32 by the same block-scale rule as ours (graphs/fp8.dequant_weight); it runs with its own
+dequantized to float32 by the same block-scale rule as ours (graphs/fp8.dequant_weight), INT4 experts by
+graphs/int4.dequant_weight (tests/test_int4.py checks that rule against transformers' own loading of an INT4
+directory through compressed-tensors); it runs with its own
 defaults (attention and experts implementation, its own KV cache) and greedy decoding through `generate`.
 transformers is an optional extra: `pip install 'k2trt[bench]'`.
 """
@@ -14,6 +16,7 @@ import torch
 
 from k2trt.config import K2Config
 from k2trt.errors import MissingDependency
+from k2trt.graphs import int4
 from k2trt.graphs.fp8 import dequant_weight
 from k2trt.runtime.generation.timings import Timings
 
@@ -30,10 +33,15 @@ def transformers_module():
 
 
 def _dequantized(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """FP8 weights times their block scales (stacked experts too), every other tensor as float32."""
+    """FP8 weights times their block scales, INT4 ones unpacked times their group scales (stacked experts too),
+    every other tensor as float32."""
     out = {}
     for name, t in tensors.items():
-        if name.endswith(".weight_scale_inv"):
+        if name.endswith((".weight_scale_inv", ".weight_scale")):
+            continue
+        if name.endswith(".weight_packed"):
+            base = name.removesuffix("_packed")
+            out[base] = int4.dequant_weight(t, tensors[f"{base}_scale"], torch.float32)
             continue
         scale = tensors.get(f"{name}_scale_inv")
         out[name] = dequant_weight(t, scale, torch.float32) if scale is not None else t.to(torch.float32)

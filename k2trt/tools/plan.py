@@ -19,6 +19,7 @@ from pathlib import Path
 from k2trt.args import int_in
 from k2trt.config import K2Config
 from k2trt.errors import K2Error
+from k2trt.hub import model_dir
 from k2trt.runtime.distributed import layout as L
 from k2trt.runtime.distributed import placement, roofline
 
@@ -27,8 +28,10 @@ MAX_DEVICES = 1 << 16
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", type=Path, help="checkpoint directory (sizes from its safetensors headers)")
-    src.add_argument("--preset", help="a built-in config (kimi-k2, tiny): sizes from the weight table")
+    src.add_argument("--model", type=model_dir, help="checkpoint directory (sizes from its safetensors headers), "
+                     "or owner/name[@revision] from the HF cache")
+    src.add_argument("--preset", help="a built-in config (kimi-k2, kimi-k2-thinking, tiny, ...): sizes from the "
+                     "weight table")
     p.add_argument("--devices", type=int_in(1, MAX_DEVICES), help="devices in all (with --layout)")
     p.add_argument("--layout", choices=("pp", "auto", "compare"), default=None,
                    help="with --devices: pp = pipeline stages only (default); auto = the fitting layout with the "

@@ -18,11 +18,12 @@ from k2trt.dtypes import dtype as dtype_info
 from k2trt.dtypes import name_of, one_ulp
 from k2trt.export.block_graphs import IR_VERSION, OPSET
 from k2trt.export.onnx_ops import plugin_attributes
-from k2trt.graphs import contracts, moe_ref
+from k2trt.graphs import contracts, int4, moe_ref
 from k2trt.graphs.fp8 import PER_TOKEN_GROUP, dequant_activation, fp8_block_linear, quantize_weight
 
 # B·T tokens; E experts of d -> I -> d, top-K; the linear maps d -> N (N = 200: a partial scale block)
 B, T, D, INTER, E, K, N = 1, 3, 256, 128, 4, 2, 200
+GROUP = 32  # INT4 experts' group size, as K2-Thinking's
 TIGHT = 1e-5  # fp32 summation order, relative to max|reference|
 
 
@@ -38,7 +39,9 @@ class NodeCase:
 
     @property
     def label(self) -> str:
-        return f"{self.op_type} ({self.act}, {'W8A8' if self.activation_quant == PER_TOKEN_GROUP else 'W8A16'})"
+        mode = "W4A16" if self.op_type.endswith("Int4") else (
+            "W8A8" if self.activation_quant == PER_TOKEN_GROUP else "W8A16")
+        return f"{self.op_type} ({self.act}, {mode})"
 
 
 def node_cases(act: str = "bfloat16", activation_quant: int = PER_TOKEN_GROUP, seed: int = 0) -> list[NodeCase]:
@@ -60,7 +63,7 @@ def node_cases(act: str = "bfloat16", activation_quant: int = PER_TOKEN_GROUP, s
     y = moe_ref.moe_combine_reference(pair_out, topk_w)
     tok, n = ["B", "T"], ["n"]
     e1 = [E + 1]
-    return [
+    fp8_cases = [
         NodeCase("Fp8BlockLinear", act, aq, {"x": x, "weight": w, "weight_scale_inv": s},
                  {"activation_quant": aq}, {"y": fp8_block_linear(x, w, s, aq)},
                  {"x": tok + [D], "weight": list(w.shape), "weight_scale_inv": list(s.shape), "y": tok + [N]}),
@@ -81,6 +84,35 @@ def node_cases(act: str = "bfloat16", activation_quant: int = PER_TOKEN_GROUP, s
                   "down_weight": list(dw.shape), "down_scale_inv": list(ds.shape), "pair_out": n + [D]}),
         NodeCase("MoeCombine", act, aq, {"pair_out": pair_out, "topk_weights": topk_w}, {}, {"y": y},
                  {"pair_out": n + [D], "topk_weights": tok + [K], "y": tok + [D]}),
+    ]
+    return fp8_cases + _int4_cases(act, aq, g, x, sorted_pairs, offsets, tok, n, e1)
+
+
+def _int4_experts(g: torch.Generator, rows: int, cols: int, dt: torch.dtype):
+    """Packed INT4 weights [E, rows, cols/8] and their group scales as the graph takes them (activation dtype)."""
+    q, s = int4.quantize_weight(torch.randn(E, rows, cols, generator=g) * 0.1, GROUP)
+    return int4.pack(q), s.to(dt)
+
+
+def _int4_cases(act, aq, g, x, sorted_pairs, offsets, tok, n, e1) -> list[NodeCase]:
+    """The two INT4 GEMM stages (MoeAlign and MoeCombine are the FP8 MoE's, above)."""
+    dt = dtype_info(act).torch
+    gp, gs = _int4_experts(g, INTER, D, dt)
+    up, us = _int4_experts(g, INTER, D, dt)
+    dp, ds = _int4_experts(g, D, INTER, dt)
+    h = moe_ref.moe_gate_up_int4_reference(x, sorted_pairs, offsets, gp, gs, up, us)
+    pair_out = moe_ref.moe_down_int4_reference(h, sorted_pairs, offsets, dp, ds)
+    shapes = {"gate_weight_packed": gp, "gate_weight_scale": gs, "up_weight_packed": up, "up_weight_scale": us}
+    return [
+        NodeCase("MoeGateUpInt4", act, aq, {"x": x, "sorted_pairs": sorted_pairs, "expert_offsets": offsets,
+                                            **shapes}, {"group_size": GROUP}, {"h": h},
+                 {"x": tok + [D], "sorted_pairs": n, "expert_offsets": e1,
+                  **{k: list(v.shape) for k, v in shapes.items()}, "h": n + [INTER]}),
+        NodeCase("MoeDownInt4", act, aq, {"h": h, "sorted_pairs": sorted_pairs, "expert_offsets": offsets,
+                                          "down_weight_packed": dp, "down_weight_scale": ds}, {"group_size": GROUP},
+                 {"pair_out": pair_out},
+                 {"h": n + [INTER], "sorted_pairs": n, "expert_offsets": e1, "down_weight_packed": list(dp.shape),
+                  "down_weight_scale": list(ds.shape), "pair_out": n + [D]}),
     ]
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from k2trt.config import K2Config
-from k2trt.checkpoint_writer import ordered_specs, spec_bytes, write_checkpoint
+from k2trt.checkpoint_writer import ordered_specs, write_checkpoint
 
 MB = 1 << 20
 
@@ -56,7 +56,7 @@ def streaming_config(gb: float) -> K2Config:
     """The tiny config at hidden 256 / expert width 256 (~75 MB a MoE layer), with as many layers as `gb` needs."""
     one = dataclasses.replace(K2Config.preset("tiny"), hidden_size=256, moe_intermediate_size=256,
                               num_hidden_layers=2)
-    layer = sum(spec_bytes(s) for s in ordered_specs(one) if s.name.startswith("model.layers.1."))
+    layer = sum(s.nbytes for s in ordered_specs(one) if s.name.startswith("model.layers.1."))
     return dataclasses.replace(one, num_hidden_layers=max(2, math.ceil(gb * 1e9 / layer)))
 
 
@@ -67,7 +67,7 @@ def fill(i: int) -> int:
 def constant_tensors(cfg: K2Config):
     """Cheap stand-in weights (a constant byte per tensor), so the reader's checksum can be checked exactly."""
     for i, spec in enumerate(ordered_specs(cfg)):
-        raw = torch.full((spec_bytes(spec),), fill(i), dtype=torch.uint8)
+        raw = torch.full((spec.nbytes,), fill(i), dtype=torch.uint8)
         yield spec.name, raw.view(getattr(torch, spec.dtype)).reshape(spec.shape)
 
 
@@ -79,12 +79,12 @@ def measure(cfg: K2Config, directory: Path) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"streaming child failed: {proc.stderr.strip().splitlines()[-1]}")
     got = json.loads(proc.stdout)
-    layer_bytes = [sum(spec_bytes(s) for s in specs if s.name.startswith(f"model.layers.{i}."))
+    layer_bytes = [sum(s.nbytes for s in specs if s.name.startswith(f"model.layers.{i}."))
                    for i in range(cfg.num_hidden_layers)]
     return {
-        "checkpoint": sum(spec_bytes(s) for s in specs), "layer": max(layer_bytes),
+        "checkpoint": sum(s.nbytes for s in specs), "layer": max(layer_bytes),
         "baseline": got["base"], "peak": got["peak"], "checksum": got["checksum"],
-        "expected_checksum": sum(fill(i) * spec_bytes(s) for i, s in enumerate(specs)
+        "expected_checksum": sum(fill(i) * s.nbytes for i, s in enumerate(specs)
                                  if s.name.startswith("model.layers.")),
     }
 

@@ -13,9 +13,11 @@ from typing import Iterator
 import torch
 
 from k2trt.config import K2Config
-from k2trt.dtypes import FP8
+
+from k2trt.graphs import int4
 from k2trt.graphs import weights as W
 from k2trt.graphs.fp8 import quantize_weight
+from k2trt.quantization import FP8_BLOCK, INT4_GROUP
 from k2trt.runtime.text.tokenizer import NUM_RESERVED_SPECIAL
 from k2trt.tools.tiny_tokenizer import SPECIAL_OFFSETS
 
@@ -46,28 +48,45 @@ def _norm(shape: tuple[int, ...], g: torch.Generator, init: dict[str, float]) ->
     return (1.0 + torch.randn(shape, generator=g) * init["norm_noise"]).to(torch.bfloat16)
 
 
+def stored_linear(w: torch.Tensor, prefix: str, fmt) -> dict[str, torch.Tensor]:
+    """A float32 weight [.., N, K] as the checkpoint stores it in `fmt` (suffix -> tensor): FP8 with its block
+    scales, INT4 packed by compressed-tensors' own pack_to_int32 with its group scales and weight_shape (int32, as
+    Moonshot's files hold it), or bf16."""
+    if fmt.kind == FP8_BLOCK:
+        q, s = quantize_weight(w)
+        return {f"{prefix}.weight": q, f"{prefix}.weight_scale_inv": s}
+    if fmt.kind == INT4_GROUP:
+        q, s = int4.quantize_weight(w, fmt.group_size)
+        shape = torch.tensor(w.shape[-2:], dtype=torch.int32).expand(*w.shape[:-2], 2)
+        return {f"{prefix}.weight_packed": int4.pack(q), f"{prefix}.weight_scale": s,
+                f"{prefix}.weight_shape": shape.contiguous()}
+    return {f"{prefix}.weight": w.to(torch.bfloat16)}
+
+
 def layer_tensors(cfg: K2Config, layer: int, g: torch.Generator, init: dict[str, float] = INIT
                   ) -> Iterator[tuple[str, torch.Tensor]]:
     """One layer's checkpoint tensors (suffix names) in layer_specs order."""
     made: dict[str, torch.Tensor] = {}
-    if cfg.is_moe_layer(layer):
+    kind = cfg.layer_kind(layer)
+    if kind == "moe_block":
         # All experts of one projection at once: one batched quantize instead of E small ones.
+        fmt = W.experts_format(cfg)
         for proj in W.EXPERT_PROJS:
-            name = f"mlp.experts.0.{proj}.weight"
-            n, k = next(s.shape for s in W.layer_specs(cfg, layer) if s.name == name)
-            w = torch.randn(cfg.n_routed_experts, n, k, generator=g) * _linear_std(name, k, init)
-            q, s = quantize_weight(w)
-            for e in range(cfg.n_routed_experts):
-                made[f"mlp.experts.{e}.{proj}.weight"] = q[e].clone()  # clone: no shared storage in a file
-                made[f"mlp.experts.{e}.{proj}.weight_scale_inv"] = s[e].clone()
+            n, k = W.linear_shapes(cfg, kind)[f"mlp.experts.{proj}"]
+            w = torch.randn(cfg.n_routed_experts, n, k, generator=g) * _linear_std(f"{proj}.weight", k, init)
+            for suffix, t in stored_linear(w, proj, fmt).items():
+                for e in range(cfg.n_routed_experts):
+                    made[f"mlp.experts.{e}.{suffix}"] = t[e].clone()  # clone: no shared storage in a file
+    roles = W.linear_shapes(cfg, kind)
     for spec in W.layer_specs(cfg, layer):
+        role = spec.name.rsplit(".", 1)[0]
         if spec.name in made:
             yield spec.name, made.pop(spec.name)
-        elif spec.dtype == FP8:
-            w = torch.randn(spec.shape, generator=g) * _linear_std(spec.name, spec.shape[1], init)
-            q, s = quantize_weight(w)
-            made[spec.name + "_scale_inv"] = s  # yielded next, as the spec list puts it right after
-            yield spec.name, q
+        elif role in roles:  # the first tensor of a linear: make all of them; the rest follow from `made`
+            n, k = roles[role]
+            w = torch.randn(n, k, generator=g) * _linear_std(f"{role}.weight", k, init)
+            made.update(stored_linear(w, role, W.role_format(cfg, kind, role)))
+            yield spec.name, made.pop(spec.name)
         elif spec.name.endswith("layernorm.weight"):
             yield spec.name, _norm(spec.shape, g, init)
         elif spec.name == "mlp.gate.weight":

@@ -1,8 +1,15 @@
-"""`k2trt make-tiny DIR`: a deterministic synthetic checkpoint in exactly K2's on-disk format.
+"""`k2trt make-tiny DIR [--format fp8|int4|k2.5]`: a deterministic synthetic checkpoint in exactly the on-disk
+format of a Kimi K2 release.
 
-config.json (every K2 field), `model-000NN-of-0000MM.safetensors` shards with an HF index, FP8 e4m3 linears
-with float32 128x128 block scales, bf16 norms / embeddings / router / lm_head, a float32 router bias, and
-the tiny Kimi-format tokenizer. The writer (k2trt/checkpoint_writer.py) holds one shard at a time.
+config.json (every K2 field), `model-000NN-of-0000MM.safetensors` shards with an HF index, bf16 norms / embeddings
+/ router / lm_head, a float32 router bias, and the tiny Kimi-format tokenizer; then, by format:
+  fp8   Kimi-K2-Instruct: FP8 e4m3 linears with float32 128x128 block scales;
+  int4  Kimi-K2-Thinking: the routed experts compressed-tensors pack-quantized INT4 (group 32, packed by the
+        library's own pack_to_int32), every other linear bf16, K2-Thinking's quantization_config; the thinking
+        tokenizer (<think> tokens, its chat_template.jinja);
+  k2.5  the same weights in Kimi-K2.5's layout: config.json nests the text model in `text_config`, tensors sit
+        under `language_model.` beside a (tiny, never loaded) vision tower; K2.5's template opens <think>.
+The writer (k2trt/checkpoint_writer.py) holds one shard at a time.
 """
 
 from __future__ import annotations
@@ -22,18 +29,37 @@ from k2trt.runtime.text.tokenizer import NUM_RESERVED_SPECIAL
 from k2trt.tools.synthetic import synthetic_tensors
 
 DEFAULT_SHARDS = 7
+# --format -> (config preset, tokenizer flavor)
+FORMATS = {"fp8": ("tiny", "k2"), "int4": ("tiny-int4", "thinking"), "k2.5": ("tiny-k2.5", "k2.5")}
+# A stand-in for K2.5's vision config: the text model never reads it, inspect lists the tower's tensors.
+TINY_VISION_CONFIG = {"model_type": "kimi_k25_vision", "patch_size": 2, "hidden_size": 32, "num_hidden_layers": 1,
+                      "mm_hidden_size": 32, "text_hidden_size": 128}
+
+
+def vision_tensors(cfg: K2Config, seed: int) -> dict:
+    """A tiny MoonViT-shaped vision tower and projector (bf16), under the names K2.5 stores them."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 7)
+    v = TINY_VISION_CONFIG["hidden_size"]
+    shapes = {"vision_tower.patch_embed.proj.weight": (v, 3, 2, 2), "vision_tower.encoder.blocks.0.wqkv.weight":
+              (3 * v, v), "vision_tower.encoder.blocks.0.wo.weight": (v, v),
+              "mm_projector.proj.0.weight": (cfg.hidden_size, 4 * v), "mm_projector.proj.2.weight":
+              (cfg.hidden_size, cfg.hidden_size)}
+    return {name: (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16) for name, shape in shapes.items()}
 
 
 # ---- make-tiny -----------------------------------------------------------------------------------
 
 def make_tiny(out_dir: str | Path, seed: int = 0, config: K2Config | None = None, *, force: bool = False,
-              n_shards: int = DEFAULT_SHARDS) -> Path:
+              n_shards: int = DEFAULT_SHARDS, format: str = "fp8") -> Path:
     """Write the tiny checkpoint (and tokenizer) to out_dir. It is built in a hidden sibling directory
     and renamed into place at the end, so an interrupted run leaves nothing half-written; the parent directory's
     writer lock keeps two runs apart, and what a killed run left beside out_dir is removed first."""
     from k2trt.tools.tiny_tokenizer import write_tiny_tokenizer
 
-    cfg = config or K2Config.preset("tiny")
+    preset, flavor = FORMATS[format]
+    cfg = config or K2Config.preset(preset)
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     with writer_lock(out.parent, "k2trt make-tiny"):
@@ -43,14 +69,26 @@ def make_tiny(out_dir: str | Path, seed: int = 0, config: K2Config | None = None
         tmp = temporary_name(out)
         tmp.mkdir()
         try:
-            write_checkpoint(tmp, cfg, synthetic_tensors(cfg, seed), n_shards)
-            write_tiny_tokenizer(tmp, num_base_tokens=cfg.vocab_size - NUM_RESERVED_SPECIAL)
+            others = vision_tensors(cfg, seed) if cfg.layout == "k2.5" else None
+            write_checkpoint(tmp, cfg, synthetic_tensors(cfg, seed), n_shards, others)
+            if others:
+                _add_vision_config(tmp / "config.json")
+            write_tiny_tokenizer(tmp, num_base_tokens=cfg.vocab_size - NUM_RESERVED_SPECIAL, flavor=flavor)
             _plain_permissions(tmp)
             _replace_dir(tmp, out)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp)
     return out
+
+
+def _add_vision_config(path: Path) -> None:
+    import json
+
+    from k2trt.atomic import atomic_write_text
+
+    raw = json.loads(path.read_text())
+    atomic_write_text(path, json.dumps({**raw, "vision_config": TINY_VISION_CONFIG}, indent=2) + "\n")
 
 
 def _plain_permissions(folder: Path) -> None:
@@ -81,13 +119,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", metavar="DIR", type=Path, help="output directory (created; must be empty)")
     parser.add_argument("--seed", type=seed, default=0, help="random seed (default 0)")
     parser.add_argument("--force", action="store_true", help="replace DIR if it exists and is not empty")
+    parser.add_argument("--format", choices=list(FORMATS), default="fp8",
+                        help="fp8: Kimi-K2-Instruct (default); int4: Kimi-K2-Thinking (INT4 experts); "
+                             "k2.5: the INT4 model in Kimi-K2.5's layout")
 
 
 def run(args: argparse.Namespace) -> int:
-    out = make_tiny(args.dir, seed=args.seed, force=args.force)
+    out = make_tiny(args.dir, seed=args.seed, force=args.force, format=args.format)
     files = sorted(p for p in out.iterdir() if p.is_file())
     size = sum(p.stat().st_size for p in files)
     shards = sum(p.suffix == ".safetensors" for p in files)
-    print(f"wrote {out}: tiny K2 checkpoint, seed {args.seed}, {shards} shards, {len(files)} files, "
+    print(f"wrote {out}: tiny K2 checkpoint ({args.format}), seed {args.seed}, {shards} shards, {len(files)} files, "
           f"{size / 1e6:.1f} MB")
     return 0

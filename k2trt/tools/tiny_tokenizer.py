@@ -16,7 +16,7 @@ from pathlib import Path
 
 from k2trt.atomic import atomic_write_text
 from k2trt.errors import K2Error
-from k2trt.runtime.text.tokenizer import CONFIG_FILE, NUM_RESERVED_SPECIAL, RANKS_FILE, reserved_name
+from k2trt.runtime.text.tokenizer import CONFIG_FILE, NUM_RESERVED_SPECIAL, RANKS_FILE, TEMPLATE_FILE, reserved_name
 
 # Kimi K2's named special ids, as offsets from the number of base tokens; the rest are reserved slots.
 SPECIAL_OFFSETS = {
@@ -27,12 +27,14 @@ SPECIAL_OFFSETS = {
 
 # Every message is <|im_{role}|>{name or role}<|im_middle|>{content}<|im_end|>; a default system
 # message comes first when none is given; no BOS. Whitespace control (-) keeps the source layout out
-# of the output, so it renders the same with or without trim_blocks/lstrip_blocks.
-CHAT_TEMPLATE = """\
+# of the output, so it renders the same with or without trim_blocks/lstrip_blocks. The templates are made of
+# these pieces:
+_DEFAULT_SYSTEM = """\
 {%- if not messages or messages[0]['role'] != 'system' -%}
-<|im_system|>system<|im_middle|>You are a helpful assistant<|im_end|>
+<|im_system|>system<|im_middle|>@SYSTEM@<|im_end|>
 {%- endif -%}
-{%- for message in messages -%}
+"""
+_ROLE = """\
   {%- if message['role'] == 'user' -%}
 <|im_user|>
   {%- elif message['role'] == 'assistant' -%}
@@ -42,6 +44,8 @@ CHAT_TEMPLATE = """\
   {%- endif -%}
 {{- message.get('name') or message['role'] -}}
 <|im_middle|>
+"""
+_CONTENT = """\
   {%- set content = message.get('content') -%}
   {%- if content is string -%}
 {{- content -}}
@@ -53,11 +57,52 @@ CHAT_TEMPLATE = """\
     {%- endfor -%}
   {%- endif -%}
 <|im_end|>
-{%- endfor -%}
+"""
+_GENERATION_PROMPT = """\
 {%- if add_generation_prompt -%}
 <|im_assistant|>assistant<|im_middle|>
 {%- endif -%}
 """
+CHAT_TEMPLATE = (_DEFAULT_SYSTEM.replace("@SYSTEM@", "You are a helpful assistant") + "{%- for message in messages -%}\n"
+                 + _ROLE + _CONTENT + "{%- endfor -%}\n" + _GENERATION_PROMPT)
+
+# The thinking releases (K2-Thinking, K2.5) add <think> and </think> as special tokens and ship their template as
+# chat_template.jinja. The model thinks between them before it answers; an assistant turn of an earlier round keeps
+# an empty <think></think> (its reasoning is dropped), the turns of the current round (after the last user message)
+# keep their reasoning_content. K2-Thinking's generation prompt leaves the opening <think> to the model; K2.5 opens
+# it in thinking mode (the default) and closes it at once when chat_template_kwargs say {"thinking": false}.
+THINK_OFFSETS = {22: "<think>", 23: "</think>"}
+
+_THINK = """\
+  {%- if message['role'] == 'assistant' -%}
+    {%- if loop.index0 > ns.last_user and message.get('reasoning_content') -%}
+<think>{{- message['reasoning_content'] -}}</think>
+    {%- else -%}
+<think></think>
+    {%- endif -%}
+  {%- endif -%}
+"""
+_THINKING_BODY = (_DEFAULT_SYSTEM.replace("@SYSTEM@", "You are Kimi, an AI assistant created by Moonshot AI.") + """\
+{%- set ns = namespace(last_user=-1) -%}
+{%- for message in messages -%}
+  {%- if message['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
+{%- endfor -%}
+{%- for message in messages -%}
+""" + _ROLE + _THINK + _CONTENT + "{%- endfor -%}\n")
+THINKING_TEMPLATE = _THINKING_BODY + _GENERATION_PROMPT
+K25_TEMPLATE = _THINKING_BODY + """\
+{%- if add_generation_prompt -%}
+<|im_assistant|>assistant<|im_middle|>
+  {%- if thinking is defined and not thinking -%}
+<think></think>
+  {%- else -%}
+<think>
+  {%- endif -%}
+{%- endif -%}
+"""
+# flavor -> (extra named specials, template, whether the template is its own file)
+FLAVORS = {"k2": ({}, CHAT_TEMPLATE, False), "thinking": (THINK_OFFSETS, THINKING_TEMPLATE, True),
+           "k2.5": (THINK_OFFSETS, K25_TEMPLATE, True)}
 
 # Training text: varied enough that multi-byte UTF-8 (accents, Han, emoji) gets merged into tokens.
 CORPUS = """\
@@ -237,12 +282,16 @@ def _json(obj: dict) -> str:
     return json.dumps(obj, indent=2, ensure_ascii=False) + "\n"
 
 
-def write_tiny_tokenizer(out_dir: Path, num_base_tokens: int, *, model_max_length: int = 131072) -> None:
+def write_tiny_tokenizer(out_dir: Path, num_base_tokens: int, *, model_max_length: int = 131072,
+                         flavor: str = "k2") -> None:
+    """The tokenizer files of a release's flavor (FLAVORS): K2's, or a thinking release's (<think> tokens, the
+    thinking template in chat_template.jinja)."""
     out_dir = Path(out_dir)
+    extra, template, template_file = FLAVORS[flavor]
     vocab = train_bpe(CORPUS, num_base_tokens)
     ranks_text = "".join(f"{base64.b64encode(tok).decode('ascii')} {rank}\n" for rank, tok in enumerate(vocab))
 
-    names = {num_base_tokens + off: name for off, name in SPECIAL_OFFSETS.items()}
+    names = {num_base_tokens + off: name for off, name in {**SPECIAL_OFFSETS, **extra}.items()}
     decoder = {str(i): _added_token(names.get(i, reserved_name(i)))
                for i in range(num_base_tokens, num_base_tokens + NUM_RESERVED_SPECIAL)}
     named = [name for name in names.values() if name not in ("[BOS]", "[EOS]", "[PAD]", "[UNK]")]
@@ -251,7 +300,7 @@ def write_tiny_tokenizer(out_dir: Path, num_base_tokens: int, *, model_max_lengt
         "additional_special_tokens": named,
         "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
         "bos_token": "[BOS]",
-        "chat_template": CHAT_TEMPLATE,
+        **({} if template_file else {"chat_template": template}),
         "clean_up_tokenization_spaces": False,
         "eos_token": "[EOS]",
         "model_max_length": model_max_length,
@@ -269,3 +318,5 @@ def write_tiny_tokenizer(out_dir: Path, num_base_tokens: int, *, model_max_lengt
     atomic_write_text(out_dir / RANKS_FILE, ranks_text)
     atomic_write_text(out_dir / CONFIG_FILE, _json(config))
     atomic_write_text(out_dir / "special_tokens_map.json", _json(special_map))
+    if template_file:
+        atomic_write_text(out_dir / TEMPLATE_FILE, template)

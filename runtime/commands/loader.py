@@ -11,6 +11,7 @@ from pathlib import Path
 
 from k2trt.args import int_in
 from k2trt.errors import K2Error
+from k2trt.hub import model_dir
 from k2trt.runtime.backends.contract import Backend
 from k2trt.runtime.backends.factory import BackendChoice, add_backend_arguments, choice_from_args, open_backend
 
@@ -18,7 +19,8 @@ from k2trt.runtime.backends.factory import BackendChoice, add_backend_arguments,
 MAX_LOCAL_RANKS = 1024  # --pipeline starts this many processes on one machine, one per device
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, required=True, help="checkpoint directory (weights, config, tokenizer)")
+    p.add_argument("--model", type=model_dir, required=True,
+                   help="checkpoint directory (weights, config, tokenizer), or owner/name[@revision] from the Hugging Face cache")
     add_backend_arguments(p)
     p.add_argument("--max-context", type=int, default=None,
                    help="refuse prompts + new tokens longer than this (default: the model's maximum)")

@@ -18,7 +18,7 @@ from functools import lru_cache
 from k2trt.config import K2Config
 from k2trt.dtypes import torch_dtype
 from k2trt.errors import K2Error
-from k2trt.graphs.weights import global_specs, layer_specs
+from k2trt.graphs.weights import global_specs, layer_specs, stored_bytes
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -56,10 +56,6 @@ class Item:
 ROUTED_EXPERTS = ".mlp.experts."  # in a tensor's name: one of a MoE layer's routed experts
 
 
-def _spec_bytes(specs) -> int:
-    return sum(s.numel * torch_dtype(s.dtype).itemsize for s in specs)
-
-
 def _items(per_layer: list[int], experts: list[int], embedding: int, head: int, cache_per_layer: int) -> list[Item]:
     last = len(per_layer) - 1
     return [Item(i, b, (embedding if i == 0 else 0) + (head if i == last else 0), cache_per_layer, e)
@@ -71,11 +67,11 @@ def items_from_config(cfg: K2Config, cache_per_layer: int) -> list[Item]:
     embed, norm, head = global_specs(cfg)
     kinds = {cfg.layer_kind(i): i for i in range(cfg.num_hidden_layers)}
     specs = {k: layer_specs(cfg, i) for k, i in kinds.items()}
-    per_kind = {k: _spec_bytes(v) for k, v in specs.items()}
-    experts = {k: _spec_bytes(x for x in v if x.name.startswith(ROUTED_EXPERTS[1:])) for k, v in specs.items()}
+    per_kind = {k: stored_bytes(v) for k, v in specs.items()}
+    experts = {k: stored_bytes([x for x in v if x.name.startswith(ROUTED_EXPERTS[1:])]) for k, v in specs.items()}
     kinds_in_order = [cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)]
-    return _items([per_kind[k] for k in kinds_in_order], [experts[k] for k in kinds_in_order], _spec_bytes([embed]),
-                  _spec_bytes([norm, head]), cache_per_layer)
+    return _items([per_kind[k] for k in kinds_in_order], [experts[k] for k in kinds_in_order], stored_bytes([embed]),
+                  stored_bytes([norm, head]), cache_per_layer)
 
 
 def _header_bytes(h) -> int:

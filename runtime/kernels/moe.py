@@ -366,13 +366,23 @@ def moe_fp8(x, topk_ids, topk_weights, gate_w, gate_s, up_w, up_s, down_w, down_
     num_experts, inter = _check_weights(gate_w, up_w, down_w, d)
     if activation_quant == PER_TOKEN_GROUP and (d % BLOCK or inter % BLOCK):
         raise ValueError(f"W8A8 MoE needs d and I multiples of {BLOCK}, got d={d}, I={inter}")
+    def gemms(x2, sorted_pairs, offsets):
+        h, hs = moe_gate_up(x2, sorted_pairs, offsets, gate_w, gate_s, up_w, up_s, activation_quant, tactic)
+        return moe_down(h, hs, sorted_pairs, offsets, down_w, down_s, activation_quant, x.dtype, tactic)
+
+    return run_stages(x, topk_ids, topk_weights, num_experts, gemms, out)
+
+
+def run_stages(x, topk_ids, topk_weights, num_experts: int, gemms, out=None) -> torch.Tensor:
+    """A MoE node as its stages: align, gemms(x2, sorted_pairs, expert_offsets) -> pair_out (the grouped GEMMs of
+    its weight format), combine -> y in x's shape and dtype."""
     act_code(x.dtype)
+    d = x.shape[-1]
     x2 = x.reshape(-1, d)
     out = checked_out(out, tuple(x.shape), x.dtype, x.device)
     if x2.shape[0] == 0:
         return out
     sorted_pairs, offsets = moe_align(topk_ids, num_experts)
-    h, hs = moe_gate_up(x2, sorted_pairs, offsets, gate_w, gate_s, up_w, up_s, activation_quant, tactic)
-    pair_out = moe_down(h, hs, sorted_pairs, offsets, down_w, down_s, activation_quant, x.dtype, tactic)
+    pair_out = gemms(x2, sorted_pairs, offsets)
     moe_combine(pair_out, topk_weights.reshape(x2.shape[0], -1), out=out.view(x2.shape[0], d))
     return out

@@ -91,6 +91,9 @@ class _Sampling(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
+MEDIA_PARTS = ("image", "input", "video", "audio")  # image_url, input_image, input_audio, video_url, ...
+
+
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
@@ -102,6 +105,17 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer"]  # no tools: a "tool" message is refused
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content):
+        # K2.5 and K2.6 are vision-language models; k2trt runs their text model (the vision tower is never loaded)
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text" and kind.split("_")[0] in MEDIA_PARTS:
+                    raise ValueError(f"{kind} parts are not supported: this server runs the text model only")
+        return content
 
     def text(self) -> str:
         if isinstance(self.content, list):

@@ -12,9 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Union
 
+from k2trt.quantization import PACK_FACTOR
 from k2trt.runtime.kernels.fp8_linear import LINEAR_TACTIC_ROWS
 from k2trt.runtime.kernels.moe import GEMM_TACTICS
-from k2trt.runtime.trt import aot_linear, aot_moe
+from k2trt.runtime.kernels.moe_int4 import INT4_TACTICS
+from k2trt.runtime.trt import aot_linear, aot_moe, aot_moe_int4
 
 # where a static size comes from: (input name, axis) of a weight input (static in every graph), or an attribute
 Size = Union[tuple[str, int], str]
@@ -49,6 +51,15 @@ def _gemm(stage):
     return make
 
 
+def _int4_gemm(stage):
+    """W4A16: no activation quantization (activation_quant does not apply); the packed words hold PACK_FACTOR
+    input columns each."""
+    def make(act, aq, tactic, num_experts, out_cols, words, group_size):
+        return aot_moe_int4.int4_gemm_launch(stage, num_experts, out_cols, words * PACK_FACTOR, group_size, act,
+                                             tactic)
+    return make
+
+
 AOT_NODES: dict[str, AotNode] = {n.op_type: n for n in (
     AotNode("Fp8BlockLinear", {"n": ("weight", 0), "k": ("weight", 1)}, _linear, tuple(LINEAR_TACTIC_ROWS)),
     AotNode("MoeAlign", {"num_experts": "num_experts"},
@@ -59,4 +70,10 @@ AOT_NODES: dict[str, AotNode] = {n.op_type: n for n in (
                         "in_cols": ("down_weight", 2)}, _gemm("down"), tuple(GEMM_TACTICS)),
     AotNode("MoeCombine", {"d": ("pair_out", 1), "top_k": ("topk_weights", -1)},
             lambda act, aq, tactic, d, top_k: aot_moe.CombineLaunch(d, top_k, act)),
+    AotNode("MoeGateUpInt4", {"num_experts": ("gate_weight_packed", 0), "out_cols": ("gate_weight_packed", 1),
+                              "words": ("gate_weight_packed", 2), "group_size": "group_size"},
+            _int4_gemm("gate_up"), tuple(INT4_TACTICS)),
+    AotNode("MoeDownInt4", {"num_experts": ("down_weight_packed", 0), "out_cols": ("down_weight_packed", 1),
+                            "words": ("down_weight_packed", 2), "group_size": "group_size"},
+            _int4_gemm("down"), tuple(INT4_TACTICS)),
 )}

@@ -1,5 +1,6 @@
 """TensorRT plugins for the nodes of the TensorRT-bound graphs (graphs/contracts.TENSORRT), via `tensorrt.plugin`
-(quickly deployable Python plugins): Fp8BlockLinear and the four MoE stages. Each is one kernel, so each has
+(quickly deployable Python plugins): Fp8BlockLinear, the four MoE stages and the two INT4 MoE GEMMs. Each is one
+kernel, so each has
 
   * a JIT implementation (`impl`: Python at every enqueue, the Triton kernels of runtime/kernels launched from
     torch on TensorRT's stream) — for debugging, and for TensorRT 10.6–10.8;
@@ -162,6 +163,10 @@ def output_shapes(op_type: str, shapes: list, attrs: dict) -> list[list]:
         return [[s["h"][0], s["down_weight"][1]]]
     if op_type == "MoeCombine":
         return [[*s["topk_weights"][:-1], s["pair_out"][1]]]
+    if op_type == "MoeGateUpInt4":
+        return [[s["sorted_pairs"][0], s["gate_weight_packed"][1]]]
+    if op_type == "MoeDownInt4":
+        return [[s["h"][0], s["down_weight_packed"][1]]]
     raise KeyError(op_type)
 
 
@@ -422,6 +427,64 @@ def moe_combine_aot_impl(pair_out, topk_weights, outputs, tactic):
     return _moe_aot(launch, None, _rows(topk_weights))
 
 
+# MoeGateUpInt4 (W4A16: no activation quantization, so no h_scale)
+def moe_gate_up_int4_desc(x, sorted_pairs, expert_offsets, gate_weight_packed, gate_weight_scale, up_weight_packed,
+                          up_weight_scale, group_size):
+    return _descs("MoeGateUpInt4", (x, sorted_pairs, expert_offsets, gate_weight_packed, gate_weight_scale,
+                                    up_weight_packed, up_weight_scale), {"group_size": attribute(group_size)})
+
+
+def moe_gate_up_int4_autotune(x, sorted_pairs, expert_offsets, gate_weight_packed, gate_weight_scale,
+                              up_weight_packed, up_weight_scale, outputs):
+    return _combination("MoeGateUpInt4", (x, sorted_pairs, expert_offsets, gate_weight_packed, gate_weight_scale,
+                                          up_weight_packed, up_weight_scale), outputs)
+
+
+def moe_gate_up_int4_impl(x, sorted_pairs, expert_offsets, gate_weight_packed, gate_weight_scale, up_weight_packed,
+                          up_weight_scale, group_size, outputs, stream, tactic):
+    from k2trt.runtime.kernels.moe_int4 import moe_gate_up_int4
+
+    with _on_stream(stream):
+        xt = as_torch(x)
+        moe_gate_up_int4(xt.reshape(-1, xt.shape[-1]), as_torch(sorted_pairs), as_torch(expert_offsets),
+                         as_torch(gate_weight_packed), as_torch(gate_weight_scale), as_torch(up_weight_packed),
+                         as_torch(up_weight_scale), attribute(group_size), int(tactic), as_torch(outputs[0]))
+
+
+def moe_gate_up_int4_aot_impl(x, sorted_pairs, expert_offsets, gate_weight_packed, gate_weight_scale,
+                              up_weight_packed, up_weight_scale, group_size, outputs, tactic):
+    launch = _node_launch("MoeGateUpInt4", {"gate_weight_packed": gate_weight_packed}, {"group_size": group_size},
+                          our_dtype(x.dtype), tactic)
+    return _moe_aot(launch, sorted_pairs.shape_expr[0], _rows(x))
+
+
+# MoeDownInt4
+def moe_down_int4_desc(h, sorted_pairs, expert_offsets, down_weight_packed, down_weight_scale, group_size):
+    return _descs("MoeDownInt4", (h, sorted_pairs, expert_offsets, down_weight_packed, down_weight_scale),
+                  {"group_size": attribute(group_size)})
+
+
+def moe_down_int4_autotune(h, sorted_pairs, expert_offsets, down_weight_packed, down_weight_scale, outputs):
+    return _combination("MoeDownInt4", (h, sorted_pairs, expert_offsets, down_weight_packed, down_weight_scale),
+                        outputs)
+
+
+def moe_down_int4_impl(h, sorted_pairs, expert_offsets, down_weight_packed, down_weight_scale, group_size, outputs,
+                       stream, tactic):
+    from k2trt.runtime.kernels.moe_int4 import moe_down_int4
+
+    with _on_stream(stream):
+        moe_down_int4(as_torch(h), as_torch(sorted_pairs), as_torch(expert_offsets), as_torch(down_weight_packed),
+                      as_torch(down_weight_scale), attribute(group_size), int(tactic), as_torch(outputs[0]))
+
+
+def moe_down_int4_aot_impl(h, sorted_pairs, expert_offsets, down_weight_packed, down_weight_scale, group_size,
+                           outputs, tactic):
+    launch = _node_launch("MoeDownInt4", {"down_weight_packed": down_weight_packed}, {"group_size": group_size},
+                          our_dtype(h.dtype), tactic)
+    return _moe_aot(launch, h.shape_expr[0], None)
+
+
 # op_type -> (register, impl, autotune, aot_impl)
 PLUGIN_FUNCTIONS = {
     "Fp8BlockLinear": (fp8_block_linear_desc, fp8_block_linear_impl, fp8_block_linear_autotune,
@@ -430,6 +493,9 @@ PLUGIN_FUNCTIONS = {
     "MoeGateUp": (moe_gate_up_desc, moe_gate_up_impl, moe_gate_up_autotune, moe_gate_up_aot_impl),
     "MoeDown": (moe_down_desc, moe_down_impl, moe_down_autotune, moe_down_aot_impl),
     "MoeCombine": (moe_combine_desc, moe_combine_impl, moe_combine_autotune, moe_combine_aot_impl),
+    "MoeGateUpInt4": (moe_gate_up_int4_desc, moe_gate_up_int4_impl, moe_gate_up_int4_autotune,
+                      moe_gate_up_int4_aot_impl),
+    "MoeDownInt4": (moe_down_int4_desc, moe_down_int4_impl, moe_down_int4_autotune, moe_down_int4_aot_impl),
 }
 
 

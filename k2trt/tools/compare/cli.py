@@ -11,10 +11,12 @@ from k2trt.runtime.backends.factory import BackendChoice
 from k2trt.tools.compare.compare import DEFAULT_TOKENS, Setup, compare
 from k2trt.tools.compare.selection import parse_layers, prompt_ids
 from k2trt.tools.compare.table import format_table
+from k2trt.hub import model_dir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, required=True, help="checkpoint directory (weights, config, tokenizer)")
+    p.add_argument("--model", type=model_dir, required=True,
+                   help="checkpoint directory (weights, config, tokenizer), or owner/name[@revision] from the HF cache")
     p.add_argument("--onnx", type=Path, required=True, help="export directory (k2trt export)")
     p.add_argument("--engines", type=Path, help="engine directory (k2trt build), for --backends trt")
     p.add_argument("--backends", help="comma-separated: ort, trt (default: ort, plus trt with --engines)")
