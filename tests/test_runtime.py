@@ -122,9 +122,9 @@ def test_generate_cli_streams_and_summarizes(tiny_ckpt, tiny_export, capsys):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--temperature", "-1"], "--temperature must be >= 0"),
-    (["--top-p", "0"], "--top-p must be in (0, 1]"),
-    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--temperature", "-1"], "argument --temperature: must be a finite number >= 0"),
+    (["--top-p", "0"], "argument --top-p: must be in (0, 1]"),
+    (["--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1"),
     (["--max-context", "4"], "exceeds the context limit of 4"),
 ])
 def test_generate_cli_bad_arguments(tiny_ckpt, tiny_export, capsys, extra, message):

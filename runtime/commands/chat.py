@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 
 from k2trt.errors import K2Error
-from k2trt.runtime.commands.generate import PrefillProgress, StreamPrinter, add_sampling_arguments, sampling_from, visible_ids
+from k2trt.runtime.commands.generate import PrefillProgress, StreamPrinter, add_sampling_arguments, to_sampling_params, visible_ids
 from k2trt.runtime.commands.loader import add_model_arguments, load, make_generator
 
 
@@ -21,7 +21,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from k2trt.runtime.distributed.world import launched
 
-    params = sampling_from(args)
+    params = to_sampling_params(args)
     if launched():  # under torchrun every rank would read the terminal
         raise K2Error("k2trt chat runs in one process; for pipeline stages use generate or serve (--pipeline)")
     loaded = load(args, command="chat")

@@ -7,20 +7,29 @@ import argparse
 import json
 import sys
 
-from k2trt.args import seed
+from k2trt.args import at_least, checked, integer
 from k2trt.errors import K2Error
 from k2trt.runtime.commands.loader import (add_model_arguments, add_pipeline_arguments, launch_if_asked, load, make_generator,
                                   progress_line)
-from k2trt.runtime.generation.sampling import SamplingParams
+from k2trt.runtime.generation.sampling import DEFAULTS, SamplingParams, field_problem
 from k2trt.runtime.text.text_stream import StopMatcher, TextStream, cut_at_stop
 
 
+def _sampling_value(name: str, parse, kind: str):
+    """An argparse type checked by the sampling field's own rule (runtime/generation/sampling.py)."""
+    return checked(parse, lambda value: field_problem(name, value), kind)
+
+
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=seed, default=0)
+    p.add_argument("--max-new-tokens", type=at_least(1), default=64)
+    p.add_argument("--temperature", type=_sampling_value("temperature", float, "a number"),
+                   default=DEFAULTS.temperature, help=f"0 = greedy (default {DEFAULTS.temperature:g})")
+    p.add_argument("--top-k", type=_sampling_value("top_k", integer, "an integer"), default=DEFAULTS.top_k,
+                   help=f"0 = off (default {DEFAULTS.top_k})")
+    p.add_argument("--top-p", type=_sampling_value("top_p", float, "a number"), default=DEFAULTS.top_p,
+                   help=f"1 = off (default {DEFAULTS.top_p:g})")
+    p.add_argument("--seed", type=_sampling_value("seed", integer, "an integer"), default=DEFAULTS.seed,
+                   help=f"(default {DEFAULTS.seed})")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID",
                    help="also stop at this token id (repeatable), besides [EOS] and <|im_end|>")
@@ -40,10 +49,8 @@ def check_requests(args) -> None:
         raise K2Error("give --prompt TEXT or --chat TEXT")
 
 
-def sampling_from(args) -> SamplingParams:
-    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    params.validate()
-    return params
+def to_sampling_params(args) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
 
 
 class StreamPrinter:
@@ -104,9 +111,7 @@ def encode_requests(tok, args) -> list[list[int]]:
 
 def run(args) -> int:
     check_requests(args)
-    params = sampling_from(args)
-    if args.max_new_tokens < 1:
-        raise K2Error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    params = to_sampling_params(args)
     launched = launch_if_asked(args)
     if launched is not None:
         return launched

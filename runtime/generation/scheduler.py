@@ -146,7 +146,6 @@ class Scheduler:
         if len(req.prompt) + req.max_new_tokens > self.max_context:
             raise K2Error(f"{name} has {len(req.prompt)} tokens; with {req.max_new_tokens} new tokens that "
                           f"exceeds the context limit of {self.max_context}")
-        req.sampling.validate()
 
     def submit(self, req: Request) -> Request:
         """Queue a request its submitter has check()ed: generate checks every prompt before it submits any, the

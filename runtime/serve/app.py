@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
 from dataclasses import dataclass
 
@@ -20,7 +19,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k2trt.errors import K2Error
-from k2trt.runtime.generation.sampling import MAX_SEED, SamplingParams
 from k2trt.runtime.generation.scheduler import Request as GenRequest
 from k2trt.runtime.serve import protocol
 from k2trt.runtime.serve.scheduler_thread import END, Handle, QueueFull, SchedulerThread, ShuttingDown
@@ -300,12 +298,9 @@ def chat_prompt(tokenizer, messages: list[protocol.ChatMessage]) -> list[int]:
 
 
 def _request(body, prompt: list[int], max_new: int, choice: int, tokenizer) -> GenRequest:
-    seed = body.seed + choice if body.seed is not None else random.randrange(MAX_SEED)
-    temperature = 1.0 if body.temperature is None else body.temperature  # OpenAI's default
-    params = SamplingParams(temperature=temperature, top_k=body.top_k or 0,
-                            top_p=1.0 if body.top_p is None else body.top_p, seed=seed % (MAX_SEED + 1))
     stops = body.stops()
-    return GenRequest(list(prompt), max_new, params, stop_check=StopMatcher(tokenizer, stops) if stops else None,
+    return GenRequest(list(prompt), max_new, body.to_sampling_params(choice),
+                      stop_check=StopMatcher(tokenizer, stops) if stops else None,
                       stop_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
 
 
