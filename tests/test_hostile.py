@@ -273,14 +273,14 @@ def test_a_forged_system_turn_stays_text_in_generate_and_chat(tiny_ckpt, tiny_ex
 
 @pytest.mark.parametrize("argv, message", [
     (["make-tiny", "{tmp}/t", "--seed", str(2**64)], "argument --seed: must be in 0..9223372036854775807"),
-    (["generate", "--seed", str(2**64)], "argument --seed: must be in 0..9223372036854775807"),
+    (["generate", "--seed", str(2**64)], "argument --seed: must be an integer in 0..9223372036854775807"),
     (["generate", "--seed", "x"], "argument --seed: expected an integer"),
     (["generate", "--temperature", "nan"], "argument --temperature: must be a finite number >= 0, got nan"),
     (["generate", "--top-p", "nan"], "argument --top-p: must be in (0, 1], got nan"),
     (["generate", "--max-context", "0"], "argument --max-context: must be >= 1, got 0"),
     (["generate", "--max-new-tokens", "-5"], "argument --max-new-tokens: must be >= 1, got -5"),
     (["generate", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
-    (["chat", "--seed", str(2**64)], "argument --seed: must be in"),
+    (["chat", "--seed", str(2**64)], "argument --seed: must be an integer in"),
 ])
 def test_bad_arguments_are_one_line(tiny_ckpt, tiny_export, tmp_path, capsys, argv, message):
     model = ["--model", str(tiny_ckpt), "--onnx", str(tiny_export), "--prompt", "Hi"]

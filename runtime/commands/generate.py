@@ -12,7 +12,7 @@ from k2trt.errors import K2Error
 from k2trt.runtime.commands.loader import (add_model_arguments, add_pipeline_arguments, launch_if_asked, load, make_generator,
                                   progress_line)
 from k2trt.runtime.generation.sampling import DEFAULTS, SamplingParams, field_problem
-from k2trt.runtime.text.text_stream import StopMatcher, TextStream, cut_at_stop
+from k2trt.runtime.text.text_stream import StopRules
 
 
 def _sampling_value(name: str, parse, kind: str):
@@ -31,7 +31,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=_sampling_value("seed", integer, "an integer"), default=DEFAULTS.seed,
                    help=f"(default {DEFAULTS.seed})")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID",
+    p.add_argument("--stop-token-id", action="append", type=at_least(0), default=[], metavar="ID",
                    help="also stop at this token id (repeatable), besides [EOS] and <|im_end|>")
 
 
@@ -53,24 +53,25 @@ def to_sampling_params(args) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
 
 
-class StreamPrinter:
-    """Writes a TextStream to the terminal as tokens arrive: a stop string is cut before any of it is shown, a
-    UTF-8 character is never split, stop tokens are never shown."""
+def stop_rules(tok, args) -> StopRules:
+    """The model's stop tokens, --stop-token-id and --stop: what ends a sequence and what is never shown."""
+    return StopRules.of(tok, strings=args.stop, stop_ids=args.stop_token_id)
 
-    def __init__(self, decoder, stops: list[str], out=None, skip_ids=()):
-        self.stream = TextStream(decoder, stops, skip_ids)
+
+class StreamPrinter:
+    """Writes a sequence's text to the terminal as it comes (Generator.generate's on_text): what its TextStream
+    lets it show, so a stop string is cut before any of it is shown, a UTF-8 character is never split and stop
+    tokens are never shown."""
+
+    def __init__(self, out=None):
         self.out = out or sys.stdout  # the stdout of now, not of import
 
-    def _write(self, text: str) -> None:
-        if text:
-            self.out.write(text)
-            self.out.flush()
-
-    def feed(self, token: int) -> None:
-        self._write(self.stream.feed(token))
+    def __call__(self, seq: int, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
 
     def finish(self) -> None:
-        self._write(self.stream.finish() + "\n")
+        self(0, "\n")
 
 
 class PrefillProgress:
@@ -91,10 +92,6 @@ class PrefillProgress:
         self.fed[request.id] = request.fed
         done = sum(self.fed.values())
         self.show(done, self.total, f"{100 * done // self.total}% of the prompt tokens")
-
-
-def visible_ids(ids: list[int], stop_ids) -> list[int]:
-    return ids[:-1] if ids and ids[-1] in stop_ids else ids
 
 
 def encode_requests(tok, args) -> list[list[int]]:
@@ -121,29 +118,23 @@ def run(args) -> int:
         return 0
     tok = loaded.tokenizer
     prompts = encode_requests(tok, args)
-    gen = make_generator(loaded, args.max_context, extra_stop_ids=args.stop_token_id)
-    matchers = [StopMatcher(tok, args.stop) for _ in prompts]  # one per sequence: each follows its own text
+    gen = make_generator(loaded, args.max_context)
     # one request streams as it goes; a batch prints each sequence when all are done
-    printer = StreamPrinter(tok.stream_decoder(), args.stop, skip_ids=gen.stop_ids) \
-        if len(prompts) == 1 and not args.json else None
-
-    results, timings = gen.generate(prompts, args.max_new_tokens, params,
-                                    on_token=None if printer is None else lambda seq, token: printer.feed(token),
-                                    stop_check=(lambda seq, ids: matchers[seq](ids)) if matchers[0].stops else None,
-                                    on_prefill=PrefillProgress(prompts, gen.prefill_chunk))
+    printer = StreamPrinter() if len(prompts) == 1 and not args.json else None
+    results, timings = gen.generate(prompts, args.max_new_tokens, params, stop_rules(tok, args), on_text=printer,
+                                    on_prefill=PrefillProgress(prompts, gen.limits.prefill_chunk))
     loaded.close()
-    texts = [cut_at_stop(tok.decode(visible_ids(r.token_ids, gen.stop_ids)), args.stop) for r in results]
     t = timings.as_dict()
     if args.json:
         objs = [{"backend": loaded.backend.name, "prompt_token_ids": r.prompt_ids, "token_ids": r.token_ids,
-                 "text": text, "finish_reason": r.finish_reason, "timings": t} for r, text in zip(results, texts)]
+                 "text": r.text, "finish_reason": r.finish_reason, "timings": t} for r in results]
         print(json.dumps(objs[0] if len(objs) == 1 else {"results": objs, "timings": t}, ensure_ascii=False))
         return 0
     if printer is not None:
         printer.finish()
     else:
-        for i, text in enumerate(texts):
-            print(f"--- [{i}] {text}")
+        for i, r in enumerate(results):
+            print(f"--- [{i}] {r.text}")
     new = sum(len(r.token_ids) for r in results)
     reasons = ", ".join(sorted({r.finish_reason for r in results}))
     where = (f"{loaded.backend.name}, {loaded.session.world.size} stage{'s' * (loaded.session.world.size != 1)}"

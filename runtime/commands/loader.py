@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from k2trt.args import int_in
+from k2trt.args import at_least, int_in
 from k2trt.errors import K2Error
 from k2trt.runtime.backends.contract import Backend
 from k2trt.runtime.backends.factory import BackendChoice, add_backend_arguments, choice_from_args, open_backend
@@ -20,7 +20,7 @@ MAX_LOCAL_RANKS = 1024  # --pipeline starts this many processes on one machine, 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, required=True, help="checkpoint directory (weights, config, tokenizer)")
     add_backend_arguments(p)
-    p.add_argument("--max-context", type=int, default=None,
+    p.add_argument("--max-context", type=at_least(1), default=None,
                    help="refuse prompts + new tokens longer than this (default: the model's maximum)")
 
 
@@ -50,6 +50,19 @@ class Loaded:
     def executor(self):
         """What the scheduler runs steps on: rank 0's pipeline executor, or None (a local StageExecutor)."""
         return self.session.leader if self.session is not None else None
+
+    def limits(self, max_context: int | None = None, max_batch: int | None = None):
+        """The scheduler's limits: the model's, the user's and the backend's, resolved once."""
+        from k2trt.runtime.generation.limits import Limits
+
+        return Limits.resolve(self.config, self.backend.limits, max_context=max_context, max_batch=max_batch)
+
+    def scheduler(self, limits):
+        """A scheduler over this model: its steps run here (one process) or down rank 0's pipeline."""
+        from k2trt.runtime.generation.executor import StageExecutor
+        from k2trt.runtime.generation.scheduler import Scheduler
+
+        return Scheduler(self.executor or StageExecutor(self.backend, self.config), self.config, limits)
 
     @property
     def follower(self) -> bool:
@@ -125,9 +138,8 @@ def launch_if_asked(args) -> int | None:
     return run_pipeline(args.argv, n)
 
 
-def make_generator(loaded: Loaded, max_context: int | None, extra_stop_ids=(), max_batch: int | None = None):
+def make_generator(loaded: Loaded, max_context: int | None):
+    """A static batch through the scheduler (generate, chat)."""
     from k2trt.runtime.generation.generator import Generator
 
-    stop_ids = tuple(loaded.tokenizer.stop_ids) + tuple(extra_stop_ids)
-    return Generator(loaded.backend, loaded.config, stop_ids=stop_ids, max_context=max_context,
-                     max_batch=max_batch, executor=loaded.executor)
+    return Generator(loaded.backend, loaded.config, loaded.limits(max_context), executor=loaded.executor)

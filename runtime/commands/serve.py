@@ -14,7 +14,7 @@ import signal
 import sys
 
 from k2trt.errors import K2Error
-from k2trt.runtime.commands.loader import add_model_arguments, add_pipeline_arguments, launch_if_asked, load, make_generator
+from k2trt.runtime.commands.loader import add_model_arguments, add_pipeline_arguments, launch_if_asked, load
 
 DEFAULT_MAX_BATCH = 16
 
@@ -63,9 +63,7 @@ def serve(args, loaded) -> int:
     from k2trt.runtime.serve.app import ServeConfig, create_app
     from k2trt.runtime.serve.scheduler_thread import SchedulerThread
 
-    # the generator's scheduler, limits and stop tokens, driven by the engine's thread instead of generate()
-    gen = make_generator(loaded, args.max_context, max_batch=args.max_batch)
-    scheduler, max_context = gen.scheduler, gen.max_context
+    scheduler = loaded.scheduler(loaded.limits(args.max_context, args.max_batch))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     from k2trt.runtime.distributed.world import DEFAULT_TIMEOUT_S
@@ -75,7 +73,7 @@ def serve(args, loaded) -> int:
     engine = SchedulerThread(scheduler, max_waiting=args.max_queue, keepalive_s=keepalive,
                     on_error=lambda e: server_box and setattr(server_box[0], "should_exit", True)).start()
     name = args.served_model_name or str(args.model)
-    app = create_app(engine, loaded.tokenizer, ServeConfig(name, max_context, args.max_body))
+    app = create_app(engine, loaded.tokenizer, ServeConfig(name, scheduler.limits.max_context, args.max_body))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
     server = uvicorn.Server(config)

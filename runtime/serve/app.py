@@ -19,11 +19,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k2trt.errors import K2Error
+from k2trt.runtime.generation.limits import ContextTooLong, PromptError
 from k2trt.runtime.generation.scheduler import Request as GenRequest
 from k2trt.runtime.serve import protocol
-from k2trt.runtime.serve.scheduler_thread import END, Handle, QueueFull, SchedulerThread, ShuttingDown
+from k2trt.runtime.serve.scheduler_thread import End, Handle, QueueFull, SchedulerThread, ShuttingDown
 from k2trt.runtime.serve.metrics import LOG, Metrics
-from k2trt.runtime.text.text_stream import StopMatcher, TextStream
+from k2trt.runtime.text.text_stream import StopRules
 
 DISCONNECT_POLL_S = 0.25
 
@@ -153,19 +154,14 @@ def create_app(engine: SchedulerThread, tokenizer, config: ServeConfig) -> FastA
         loop = asyncio.get_running_loop()
         t0 = time.monotonic()
         handles: list[tuple[int, int, Handle]] = []  # (prompt index, choice index, handle)
+        stops = StopRules.of(tokenizer, body.stops(), body.stop_token_ids or (), body.ignore_eos)
         try:
             for pi, prompt in enumerate(prompts):
-                if not prompt:
-                    raise protocol.APIError(400, "prompt: must not be empty", param="prompt")
-                max_new = body.new_tokens(config.max_context - len(prompt))
-                if len(prompt) + max(1, max_new) > config.max_context:
-                    raise protocol.APIError(400, f"This model's maximum context length is {config.max_context} tokens. "
-                                          f"However, you requested {len(prompt) + max_new} tokens ({len(prompt)} "
-                                          f"in the prompt, {max_new} in the completion).",
-                                     param="messages" if chat else "prompt", code="context_length_exceeded")
+                # without max_tokens a completion may take the rest of the context
+                max_new = body.new_tokens(max(1, config.max_context - len(prompt)))
                 for c in range(body.n):
-                    handles.append((pi, len(handles), engine.submit(_request(body, prompt, max_new, c, tokenizer),
-                                                                    loop)))
+                    req = GenRequest(list(prompt), max_new, body.to_sampling_params(c), stops)
+                    handles.append((pi, len(handles), engine.submit(req, loop)))
         except QueueFull as e:
             _cancel(handles)
             raise protocol.APIError(429, f"too many requests are waiting ({e}); retry later", type_="rate_limit_error",
@@ -173,26 +169,23 @@ def create_app(engine: SchedulerThread, tokenizer, config: ServeConfig) -> FastA
         except ShuttingDown as e:
             _cancel(handles)
             raise protocol.APIError(503, str(e), type_="server_error", headers={"Retry-After": "5"}) from None
+        except PromptError as e:
+            _cancel(handles)
+            raise prompt_error(e, "messages" if chat else "prompt") from None
         except K2Error as e:
             _cancel(handles)
             raise protocol.APIError(400, str(e)) from None
-        except protocol.APIError:
-            _cancel(handles)
-            raise
         kind = "chat.completion" if chat else "text_completion"
         rid = protocol.new_id("chatcmpl" if chat else "cmpl")
-        stops = body.stops()
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream(request, handles, rid, kind, body.model, stops, chat, include_usage, t0),
+            return StreamingResponse(_stream(request, handles, rid, kind, body.model, chat, include_usage, t0),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        streams = _text_streams(handles, stops)
         texts = {i: "" for _, i, _ in handles}
         try:
             for _, i, h in handles:
-                async for tok in _tokens(request, h):
-                    texts[i] += streams[i].feed(tok)
-                texts[i] += streams[i].finish()
+                async for text in _texts(request, h):
+                    texts[i] += text
         finally:
             _cancel(handles)
         choices = [_choice(i, texts[i], h.request, chat) for _, i, h in handles]
@@ -200,30 +193,29 @@ def create_app(engine: SchedulerThread, tokenizer, config: ServeConfig) -> FastA
         return {"id": rid, "object": kind, "created": protocol.now(), "model": body.model, "choices": choices,
                 "usage": _usage(handles)}
 
-    def _text_streams(handles, stops: list[str]) -> dict[int, TextStream]:
-        """Each choice's text as its tokens arrive; stop tokens (the model's and the request's) are never shown."""
-        return {i: TextStream(tokenizer.stream_decoder(), stops, engine.scheduler.stop_ids + h.request.stop_ids)
-                for _, i, h in handles}
-
-    async def _tokens(request: Request, handle: Handle):
-        """A request's tokens as they come; cancels it if the client goes away."""
+    async def _texts(request: Request, handle: Handle, end: list | None = None):
+        """A request's text as it comes, the last of it included; cancels it if the client goes away. `end` (a
+        list) receives the End item, for a stream that sends the last of the text with the finish reason."""
         while True:
             try:
-                item = await asyncio.wait_for(handle.tokens.get(), DISCONNECT_POLL_S)
+                item = await asyncio.wait_for(handle.texts.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
                     handle.cancel()
                     return
                 continue
-            if item is END:
+            if isinstance(item, End):
                 if engine.error is not None:
                     raise protocol.APIError(500, f"the engine stopped: {engine.error}", type_="server_error")
+                if end is None:
+                    yield item.text
+                else:
+                    end.append(item)
                 return
             yield item
 
-    async def _stream(request, handles, rid, kind, model, stops, chat, include_usage, t0):
+    async def _stream(request, handles, rid, kind, model, chat, include_usage, t0):
         created = protocol.now()
-        streams = _text_streams(handles, stops)
 
         def chunk(choices, usage=None):
             d = {"id": rid, "object": f"{kind}.chunk" if chat else kind, "created": created, "model": model,
@@ -236,7 +228,8 @@ def create_app(engine: SchedulerThread, tokenizer, config: ServeConfig) -> FastA
             if chat:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                              for _, i, _ in handles])
-            queues = {i: _tokens(request, h) for _, i, h in handles}
+            ends: dict[int, list] = {i: [] for _, i, _ in handles}
+            queues = {i: _texts(request, h, ends[i]) for _, i, h in handles}
             # interleave the choices as their tokens arrive
             pending = {asyncio.ensure_future(anext(q)): i for i, q in queues.items()}
             by_index = {i: h for _, i, h in handles}
@@ -245,15 +238,13 @@ def create_app(engine: SchedulerThread, tokenizer, config: ServeConfig) -> FastA
                 for fut in done:
                     i = pending.pop(fut)
                     try:
-                        tok = fut.result()
+                        text = fut.result()
                     except StopAsyncIteration:
-                        tail = streams[i].finish()
                         req = by_index[i].request
-                        if req.finish_reason is None or req.finish_reason == "cancelled":
+                        if req.finish_reason is None or req.finish_reason == "cancelled" or not ends[i]:
                             continue  # the client went away
-                        yield chunk([_delta(i, tail, protocol.finish_reason(req.finish_reason), chat)])
+                        yield chunk([_delta(i, ends[i][0].text, protocol.finish_reason(req.finish_reason), chat)])
                         continue
-                    text = streams[i].feed(tok)
                     if text:
                         yield chunk([_delta(i, text, None, chat)])
                     pending[asyncio.ensure_future(anext(queues[i]))] = i
@@ -297,11 +288,15 @@ def chat_prompt(tokenizer, messages: list[protocol.ChatMessage]) -> list[int]:
         raise protocol.APIError(400, str(e), param="messages") from None
 
 
-def _request(body, prompt: list[int], max_new: int, choice: int, tokenizer) -> GenRequest:
-    stops = body.stops()
-    return GenRequest(list(prompt), max_new, body.to_sampling_params(choice),
-                      stop_check=StopMatcher(tokenizer, stops) if stops else None,
-                      stop_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
+def prompt_error(e: PromptError, param: str) -> protocol.APIError:
+    """The one mapping of a prompt the scheduler refuses to its HTTP error: 400, naming the prompt (or the
+    messages), in OpenAI's words and code when it is past the context."""
+    if isinstance(e, ContextTooLong):
+        return protocol.APIError(
+            400, f"This model's maximum context length is {e.max_context} tokens. However, you requested "
+                 f"{e.prompt_tokens + e.new_tokens} tokens ({e.prompt_tokens} in the prompt, {e.new_tokens} in the "
+                 f"completion).", param=param, code="context_length_exceeded")
+    return protocol.APIError(400, str(e), param=param)
 
 
 def _cancel(handles) -> None:

@@ -1,8 +1,9 @@
 """The scheduler in a thread of its own, fed by the HTTP handlers.
 
-Handlers (asyncio) submit requests into a thread-safe inbox and read their tokens from an asyncio queue each; the
-engine thread moves the inbox into the scheduler at every iteration, runs one iteration, and pushes each token
-(and the end) to its request's queue with `call_soon_threadsafe`. Cancelling sets a flag the scheduler honours at
+Handlers (asyncio) submit requests into a thread-safe inbox and read their text from an asyncio queue each; the
+scheduler's thread moves the inbox into the scheduler at every iteration, runs one iteration, and pushes the text
+each token shows (decoded once, by the request's TextStream, in this thread) and then the end to its request's
+queue with `call_soon_threadsafe`. Cancelling sets a flag the scheduler honours at
 its next iteration, so the slot is free before the next step. A bounded queue of waiting requests makes the
 server refuse (429) instead of growing without bound.
 """
@@ -27,15 +28,19 @@ class ShuttingDown(K2Error):
     """The server is stopping (HTTP 503)."""
 
 
-END = None  # the last item of a request's queue
+@dataclass(frozen=True)
+class End:
+    """The last item of a request's queue: the last of its text (held back until the end)."""
+    text: str = ""
 
 
 @dataclass(eq=False)
 class Handle:
-    """One submitted request, as its handler sees it: its tokens arrive in `tokens`, then END."""
+    """One submitted request, as its handler sees it: the text of each token arrives in `texts` (often ""), then
+    an End."""
 
     request: Request
-    tokens: asyncio.Queue
+    texts: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     token_times: list[float] = field(default_factory=list)
 
@@ -82,17 +87,17 @@ class SchedulerThread:
         if self.waiting >= self.max_waiting:
             raise QueueFull(f"{self.waiting} requests are waiting already")
         handle = Handle(request, asyncio.Queue(), loop)
-        request.on_token = lambda req, tok, h=handle: self._push(h, tok)
-        request.on_finish = lambda req, h=handle: self._finished(h)
+        request.on_token = lambda req, tok, text, h=handle: self._push(h, text)
+        request.on_finish = lambda req, text, h=handle: self._finished(h, text)
         self._inbox.put(handle)
         self._wake.set()
         return handle
 
-    def _push(self, handle: Handle, item) -> None:
-        if item is not END:
+    def _push(self, handle: Handle, item: str | End) -> None:
+        if not isinstance(item, End):
             handle.token_times.append(time.monotonic())
         try:
-            handle.loop.call_soon_threadsafe(handle.tokens.put_nowait, item)
+            handle.loop.call_soon_threadsafe(handle.texts.put_nowait, item)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
@@ -127,15 +132,15 @@ class SchedulerThread:
         except BaseException as e:  # a backend failure: every open request ends, the server reports it
             self.error = e
             for h in list(self._handles.values()):
-                self._push(h, END)
+                self._push(h, End())
             if self.on_error:
                 self.on_error(e)
 
-    def _finished(self, handle: Handle) -> None:
+    def _finished(self, handle: Handle, text: str) -> None:
         self._handles.pop(handle.request.id, None)
         if self.on_done:
             self.on_done(handle)
-        self._push(handle, END)
+        self._push(handle, End(text))
 
     def _take_inbox(self) -> None:
         while True:
