@@ -60,8 +60,9 @@ def run(args) -> int:
 def serve(args, loaded) -> int:
     import uvicorn
 
-    from k2trt.runtime.serve.app import ServeConfig, create_app
+    from k2trt.runtime.serve.app import create_app
     from k2trt.runtime.serve.scheduler_thread import SchedulerThread
+    from k2trt.runtime.serve.serving import ServeConfig, Serving
 
     scheduler = loaded.scheduler(loaded.limits(args.max_context, args.max_batch))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -70,10 +71,11 @@ def serve(args, loaded) -> int:
 
     server_box = []
     keepalive = min(10.0, (args.dist_timeout or DEFAULT_TIMEOUT_S) / 4)  # idle pipeline stages must hear from us
-    engine = SchedulerThread(scheduler, max_waiting=args.max_queue, keepalive_s=keepalive,
-                    on_error=lambda e: server_box and setattr(server_box[0], "should_exit", True)).start()
+    scheduler_thread = SchedulerThread(scheduler, max_waiting=args.max_queue, keepalive_s=keepalive,
+                                       on_error=lambda e: server_box and setattr(server_box[0], "should_exit", True))
     name = args.served_model_name or str(args.model)
-    app = create_app(engine, loaded.tokenizer, ServeConfig(name, scheduler.limits.max_context, args.max_body))
+    app = create_app(Serving(scheduler_thread.start(), loaded.tokenizer,
+                             ServeConfig(name, scheduler.limits.max_context, args.max_body)))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
     server = uvicorn.Server(config)
@@ -86,7 +88,7 @@ def serve(args, loaded) -> int:
     try:
         server.run()
     finally:
-        engine.stop()
-    if engine.error is not None:
-        raise K2Error(f"the engine stopped: {engine.error}")
+        scheduler_thread.stop()
+    if scheduler_thread.error is not None:
+        raise K2Error(f"the scheduler stopped: {scheduler_thread.error}")
     return 130 if signal.SIGINT in received else 0

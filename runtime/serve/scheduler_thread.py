@@ -52,18 +52,18 @@ class SchedulerThread:
     def __init__(self, scheduler: Scheduler, max_waiting: int = 256, idle_wait_s: float = 0.02,
                  on_error=None, keepalive_s: float = 10.0):
         self.scheduler = scheduler
-        # called (engine thread) with each handle whose request finished, however it ended; the app's metrics set it
+        # called (in this thread) with each handle whose request finished, however it ended; the metrics set it
         self.on_done = None
         self.max_waiting = max_waiting
         self.idle_wait_s = idle_wait_s
-        self.keepalive_s = keepalive_s  # an idle engine still steps this often (pipeline stages wait with a timeout)
-        self.on_error = on_error  # called with the exception if the engine thread dies
+        self.keepalive_s = keepalive_s  # an idle scheduler still steps this often (pipeline stages wait with a timeout)
+        self.on_error = on_error  # called with the exception if the thread dies
         self._inbox: queue.SimpleQueue[Handle] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._stopping = False
         self._handles: dict[int, Handle] = {}
-        self._thread = threading.Thread(target=self._loop, name="k2trt-engine", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="k2trt-scheduler", daemon=True)
         self.error: BaseException | None = None
 
     # ---- the handlers' side ----------------------------------------------------------------------------
@@ -114,7 +114,7 @@ class SchedulerThread:
         self._wake.set()
         self._thread.join(timeout=max(0.1, deadline - time.monotonic()))
 
-    # ---- the engine thread ----------------------------------------------------------------------------------
+    # ---- the scheduler's thread -----------------------------------------------------------------------------
     def _loop(self) -> None:
         last_step = time.monotonic()
         try:
