@@ -81,6 +81,12 @@ CONFIG_DAMAGE = {
     "nested 100,000 deep": (lambda d: json.dumps(d)[:-1] + ', "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
                             "not valid JSON (nested too deeply)"),
     "torch_dtype a list": (_set("torch_dtype", ["bfloat16"]), "torch_dtype must be a string"),
+    "model_type a list": (_set("model_type", ["kimi_k2"]), "model_type ['kimi_k2'] is not supported"),
+    "eos_token_id a string": (_set("eos_token_id", "1793"), "eos_token_id must be an integer, got '1793'"),
+    "rope_scaling a list": (_set("rope_scaling", [1]), "rope_scaling must be an object or null"),
+    "rope_scaling.type a list": (_set("rope_scaling.type", ["yarn"]), "rope_scaling type ['yarn'] is not supported"),
+    "weight_block_size a string": (_set("quantization_config.weight_block_size", "128"),
+                                   "quantization_config.weight_block_size must be two integers, got '128'"),
 }
 
 
@@ -288,6 +294,39 @@ def test_bad_arguments_are_one_line(tiny_ckpt, tiny_export, tmp_path, capsys, ar
     extra = [] if argv[0] == "make-tiny" else model[:4] if argv[0] == "chat" else model
     rc, _, err = cli(capsys, argv[0], *extra, *argv[1:])
     assert message in one_error_line(rc, err, argv[0])
+
+
+# every numeric flag is checked where it is declared (k2trt/args.py), by the parser, before any work
+FLAG_BASES = {
+    "serve": ["--model", "{ckpt}", "--onnx", "{onnx}"],
+    "plan": ["--preset", "tiny", "--device-memory", "1GB", "--devices", "1"],
+    "bench-serve": ["--model", "{ckpt}", "--onnx", "{onnx}"],
+    "bench": ["--model", "{ckpt}", "--onnx", "{onnx}"],
+    "compare": ["--model", "{ckpt}", "--onnx", "{onnx}"],
+    "generate": ["--model", "{ckpt}", "--onnx", "{onnx}", "--prompt", "Hi"],
+}
+
+
+@pytest.mark.parametrize("command, flag, value, message", [
+    ("serve", "--port", "70000", "argument --port: must be in 0..65535, got 70000"),
+    ("serve", "--port", "-1", "argument --port: must be in 0..65535, got -1"),
+    ("serve", "--max-batch", "0", "argument --max-batch: must be >= 1, got 0"),
+    ("serve", "--max-queue", "-2", "argument --max-queue: must be >= 1, got -2"),
+    ("serve", "--max-context", "0", "argument --max-context: must be >= 1, got 0"),
+    ("plan", "--devices", "0", "argument --devices: must be >= 1, got 0"),
+    ("plan", "--max-batch", "0", "argument --max-batch: must be >= 1, got 0"),
+    ("bench-serve", "--max-tokens", "1", "argument --max-tokens: must be >= 2, got 1"),
+    ("bench-serve", "--concurrency", "1,0", "argument --concurrency: expected integers >= 1, got 1,0"),
+    ("bench", "--repeat", "0", "argument --repeat: must be >= 1, got 0"),
+    ("compare", "--tokens", "-1", "argument --tokens: must be >= 0, got -1"),
+    ("generate", "--top-k", "-1", "argument --top-k: must be an integer >= 0, got -1"),
+    ("generate", "--stop-token-id", "-7", "argument --stop-token-id: must be >= 0, got -7"),
+    ("generate", "--max-new-tokens", "many", "argument --max-new-tokens: expected an integer, got 'many'"),
+])
+def test_numeric_flags_are_checked_where_declared(tiny_ckpt, tiny_export, capsys, command, flag, value, message):
+    base = [a.format(ckpt=tiny_ckpt, onnx=tiny_export) for a in FLAG_BASES[command]]
+    rc, _, err = cli(capsys, command, *base, flag, value)
+    assert message in one_error_line(rc, err, command)
 
 
 @pytest.mark.parametrize("damage, message", [

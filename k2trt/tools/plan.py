@@ -12,6 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
+from k2trt.args import at_least
 from k2trt.config import K2Config
 from k2trt.errors import K2Error
 from k2trt.runtime.distributed import placement
@@ -21,21 +22,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", type=Path, help="checkpoint directory (sizes from its safetensors headers)")
     src.add_argument("--preset", help="a built-in config (kimi-k2, tiny): sizes from the weight table")
-    p.add_argument("--devices", type=int, required=True, help="pipeline stages, one per device")
+    p.add_argument("--devices", type=at_least(1), required=True, help="pipeline stages, one per device")
     p.add_argument("--device-memory", required=True, help="memory per device, e.g. 140GiB (H200), 79.6GiB (H100)")
     p.add_argument("--reserve", default=f"{placement.DEFAULT_RESERVE // 2**30}GiB",
                    help="kept free per device for the CUDA context, TensorRT scratch, NCCL, activations "
                         "(default %(default)s)")
-    p.add_argument("--max-context", type=int, default=4096, help="positions per sequence to hold in the cache "
+    p.add_argument("--max-context", type=at_least(1), default=4096, help="positions per sequence to hold in the cache "
                                                                 "(default 4096)")
-    p.add_argument("--max-batch", type=int, default=1, help="sequences to hold in the cache (default 1)")
+    p.add_argument("--max-batch", type=at_least(1), default=1, help="sequences to hold in the cache (default 1)")
     p.add_argument("--stages", help="explicit blocks per stage, e.g. 8,8,8,8,8,7,7,7 (validated the same way)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
 def sized_items(args, cfg: K2Config) -> list[placement.Item]:
-    if args.max_context < 1 or args.max_batch < 1:
-        raise K2Error("--max-context and --max-batch must be >= 1")
     cache = placement.cache_bytes_per_layer(cfg, args.max_context, args.max_batch)
     if args.model is None:
         return placement.items_from_config(cfg, cache)

@@ -22,6 +22,7 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+from k2trt.args import at_least
 from k2trt.config import K2Config
 
 MB = 1 << 20
@@ -90,10 +91,10 @@ def _tiny(directory: Path) -> tuple[Path, Path]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m k2trt.tools.prefill_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192], help="prompt lengths (default 2048 8192)")
+    p.add_argument("--tokens", type=at_least(1), nargs="+", default=[2048, 8192], help="prompt lengths (default 2048 8192)")
     p.add_argument("--model", type=Path, help="checkpoint directory (default: the tiny one, made in a temp dir)")
     p.add_argument("--onnx", type=Path, help="its export directory (float32)")
-    p.add_argument("--mask-budget", type=int, help="mask elements per step (default: the scheduler's)")
+    p.add_argument("--mask-budget", type=at_least(1), help="mask elements per step (default: the scheduler's)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         model, onnx = (args.model, args.onnx) if args.model else _tiny(Path(tmp))

@@ -13,6 +13,7 @@ import logging
 import signal
 import sys
 
+from k2trt.args import at_least, port
 from k2trt.errors import K2Error
 from k2trt.runtime.commands.loader import add_model_arguments, add_pipeline_arguments, launch_if_asked, load
 
@@ -22,10 +23,10 @@ DEFAULT_MAX_BATCH = 16
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one)")
-    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+    p.add_argument("--port", type=port, default=8000, help="port to listen on (default 8000; 0 picks a free one)")
+    p.add_argument("--max-batch", type=at_least(1), default=DEFAULT_MAX_BATCH,
                    help=f"sequence slots: requests decoded together (default {DEFAULT_MAX_BATCH})")
-    p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429 (default 256)")
+    p.add_argument("--max-queue", type=at_least(1), default=256, help="waiting requests before 429 (default 256)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     p.add_argument("--max-body", type=int, default=4 << 20, help="largest request body in bytes (default 4 MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
@@ -35,10 +36,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    if args.max_batch < 1 or args.max_queue < 1:
-        raise K2Error("--max-batch and --max-queue must be >= 1")
-    if not 0 <= args.port < 65536:
-        raise K2Error(f"--port must be in 0..65535, got {args.port}")
     try:
         import uvicorn  # noqa: F401
         import fastapi  # noqa: F401
