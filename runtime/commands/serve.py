@@ -54,18 +54,17 @@ def run(args) -> int:
         loaded.close()
 
 
-def serve(args, loaded) -> int:
+def make_server(args, loaded):
+    """The uvicorn server of `k2trt serve` for these arguments over this model, and its scheduler thread
+    (started): what `serve` runs, and what a test runs in a thread of its own."""
     import uvicorn
 
+    from k2trt.runtime.distributed.world import DEFAULT_TIMEOUT_S
     from k2trt.runtime.serve.app import create_app
     from k2trt.runtime.serve.scheduler_thread import SchedulerThread
     from k2trt.runtime.serve.serving import ServeConfig, Serving
 
     scheduler = loaded.scheduler(loaded.limits(args.max_context, args.max_batch))
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
-    from k2trt.runtime.distributed.world import DEFAULT_TIMEOUT_S
-
     server_box = []
     keepalive = min(10.0, (args.dist_timeout or DEFAULT_TIMEOUT_S) / 4)  # idle pipeline stages must hear from us
     scheduler_thread = SchedulerThread(scheduler, max_waiting=args.max_queue, keepalive_s=keepalive,
@@ -75,8 +74,14 @@ def serve(args, loaded) -> int:
                              ServeConfig(name, scheduler.limits.max_context, args.max_body)))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
-    server = uvicorn.Server(config)
-    server_box.append(server)
+    server_box.append(uvicorn.Server(config))
+    return server_box[0], scheduler_thread
+
+
+def serve(args, loaded) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    server, scheduler_thread = make_server(args, loaded)
     # uvicorn stops gracefully on SIGINT/SIGTERM, then raises the signal again for the handlers it found: ours
     # note it, so that a requested stop ends with status 0 (SIGTERM) or 130 (^C) instead of dying by the signal.
     received: list[int] = []
