@@ -104,7 +104,7 @@ class InProcessServer:
     def __init__(self, ckpt, onnx, *serve_args: str):
         from k2trt.runtime.backends.factory import BackendChoice, open_backend
         from k2trt.runtime.commands import serve
-        from k2trt.runtime.commands.loader import Loaded, open_model
+        from k2trt.runtime.commands.model import LoadedModel, open_model
 
         parser = argparse.ArgumentParser()
         serve.add_arguments(parser)
@@ -113,7 +113,7 @@ class InProcessServer:
                                   "--log-level", "warning", "--port", str(self.port), *serve_args])
         checkpoint, tokenizer = open_model(ckpt)
         self.gate = Gate(open_backend(BackendChoice("ort", onnx=onnx), checkpoint))
-        self.server, self.scheduler_thread = serve.make_server(args, Loaded(self.gate, tokenizer, checkpoint))
+        self.server, self.scheduler_thread = serve.make_server(args, LoadedModel(self.gate, tokenizer, checkpoint))
         self.url = f"http://127.0.0.1:{self.port}"
         self._thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
         self._thread.start()

@@ -183,9 +183,9 @@ def test_random_admits_finishes_and_cancels_keep_the_slot_layout(actions, max_ba
 
 def test_a_broken_move_is_caught():
     """The check itself: a layout whose Move goes to the wrong slot leaves a request on someone else's cache."""
-    from k2trt.runtime.generation import scheduler as S
+    from k2trt.runtime.generation.scheduler import SlotLayout
 
-    class WrongMove(S.SlotLayout):
+    class WrongMove(SlotLayout):
         def remove(self, req):
             ops = super().remove(req)
             return [Move(op.src, op.src) if isinstance(op, Move) else op for op in ops]

@@ -27,11 +27,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int_list(1), default=[1, 4, 16], help="batch sizes, comma-separated")
     p.add_argument("--prompt-len", type=int_list(1), default=[16, 128, 512], help="prompt lengths, comma-separated")
     p.add_argument("--new-tokens", type=at_least(1), default=16)
-    p.add_argument("--repeat", type=at_least(1), default=3, help="timed runs of every backend per row (median reported)")
+    p.add_argument("--repeat", type=at_least(1), default=3,
+                   help="timed runs of every backend per row (median reported)")
     p.add_argument("--baselines", default=f"{TRANSFORMERS},{REFERENCE}",
                    help=f"comma-separated: {TRANSFORMERS} (needs the bench extra), {REFERENCE} (eager torch)")
     p.add_argument("--json", action="store_true")
-    from k2trt.runtime.commands.loader import add_pipeline_arguments
+    from k2trt.runtime.commands.model import add_pipeline_arguments
 
     add_pipeline_arguments(p)  # --pipeline N: the per-step time of N stages against one process (pipeline_bench)
 

@@ -33,7 +33,7 @@ CHILD = textwrap.dedent("""
     from k2trt.runtime.backends.factory import BackendChoice, open_backend
     from k2trt.runtime.generation.generator import Generator
     from k2trt.runtime.generation.limits import MASK_BUDGET, Limits
-    from k2trt.runtime.commands.loader import open_model
+    from k2trt.runtime.commands.model import open_model
     from k2trt.runtime.text.tokenizer import NUM_RESERVED_SPECIAL
     from k2trt.tools.stream_bench import proc_status as status
 
@@ -41,7 +41,8 @@ CHILD = textwrap.dedent("""
     ckpt, tok = open_model(model)
     backend = open_backend(BackendChoice("ort", onnx=onnx), ckpt)
     backend.prepare()
-    gen = Generator(backend, ckpt.config, Limits.resolve(ckpt.config, backend.limits, mask_budget=budget or MASK_BUDGET))
+    limits = Limits.resolve(ckpt.config, backend.limits, mask_budget=budget or MASK_BUDGET)
+    gen = Generator(backend, ckpt.config, limits)
     gen.generate([[5] * 64], 1)  # warm-up: sessions and arenas made
     n = int(sys.argv[4])
     prompt = [(i * 7919) % (ckpt.config.vocab_size - NUM_RESERVED_SPECIAL) for i in range(n)]
@@ -91,7 +92,8 @@ def _tiny(directory: Path) -> tuple[Path, Path]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m k2trt.tools.prefill_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=at_least(1), nargs="+", default=[2048, 8192], help="prompt lengths (default 2048 8192)")
+    p.add_argument("--tokens", type=at_least(1), nargs="+", default=[2048, 8192],
+                   help="prompt lengths (default 2048 8192)")
     p.add_argument("--model", type=Path, help="checkpoint directory (default: the tiny one, made in a temp dir)")
     p.add_argument("--onnx", type=Path, help="its export directory (float32)")
     p.add_argument("--mask-budget", type=at_least(1), help="mask elements per step (default: the scheduler's)")

@@ -10,7 +10,7 @@ import sys
 from k2trt.errors import K2Error
 from k2trt.runtime.commands.generate import (PrefillProgress, StreamPrinter, add_sampling_arguments, stop_rules,
                                              to_sampling_params)
-from k2trt.runtime.commands.loader import add_model_arguments, load, make_generator
+from k2trt.runtime.commands.model import add_model_arguments, load_model, make_generator
 
 
 def add_arguments(p) -> None:
@@ -25,7 +25,7 @@ def run(args) -> int:
     params = to_sampling_params(args)
     if launched():  # under torchrun every rank would read the terminal
         raise K2Error("k2trt chat runs in one process; for pipeline stages use generate or serve (--pipeline)")
-    loaded = load(args, command="chat")
+    loaded = load_model(args, command="chat")
     tok = loaded.tokenizer
     gen = make_generator(loaded, args.max_context)
     stops = stop_rules(tok, args)

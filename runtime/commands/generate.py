@@ -9,8 +9,8 @@ import sys
 
 from k2trt.args import at_least, checked, integer
 from k2trt.errors import K2Error
-from k2trt.runtime.commands.loader import (add_model_arguments, add_pipeline_arguments, launch_if_asked, load, make_generator,
-                                  progress_line)
+from k2trt.runtime.commands.model import (add_model_arguments, add_pipeline_arguments, launch_if_asked, load_model,
+                                          make_generator, progress_line)
 from k2trt.runtime.generation.sampling import DEFAULTS, SamplingParams, field_problem
 from k2trt.runtime.text.text_stream import StopRules
 
@@ -112,7 +112,7 @@ def run(args) -> int:
     launched = launch_if_asked(args)
     if launched is not None:
         return launched
-    loaded = load(args)
+    loaded = load_model(args)
     if loaded.follower:  # a pipeline rank other than 0: run rank 0's steps until it is done
         loaded.session.follow()
         return 0

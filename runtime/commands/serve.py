@@ -15,7 +15,7 @@ import sys
 
 from k2trt.args import at_least, port
 from k2trt.errors import K2Error
-from k2trt.runtime.commands.loader import add_model_arguments, add_pipeline_arguments, launch_if_asked, load
+from k2trt.runtime.commands.model import add_model_arguments, add_pipeline_arguments, launch_if_asked, load_model
 
 DEFAULT_MAX_BATCH = 16
 
@@ -44,7 +44,7 @@ def run(args) -> int:
     launched = launch_if_asked(args)
     if launched is not None:
         return launched
-    loaded = load(args, command="serve")
+    loaded = load_model(args, command="serve")
     if loaded.follower:
         loaded.session.follow()
         return 0

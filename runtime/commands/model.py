@@ -1,6 +1,8 @@
-"""From command-line choices to a ready checkpoint, tokenizer and backend: the one place that checks that they
-belong together. The backend itself comes from the factory (runtime/backends/factory.py); under a pipeline
-(`--pipeline N` or torchrun) each rank binds only its stage, and every rank but 0 follows rank 0's steps."""
+"""A model loaded for a command: from command-line choices to a ready checkpoint, tokenizer and backend
+(`load_model` -> LoadedModel), the one place that checks that they belong together, and the scheduler or static
+batch the command runs on it. The backend itself comes from the factory (runtime/backends/factory.py); under a
+pipeline (`--pipeline N` or torchrun) each rank binds only its stage, and every rank but 0 follows rank 0's
+steps."""
 
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
 
 
 @dataclass
-class Loaded:
+class LoadedModel:
     backend: Backend
     tokenizer: object
     checkpoint: object
@@ -108,7 +110,7 @@ def progress_line(prefix: str, doing: str = "binding weights", stream=None):
     return show
 
 
-def load(args, choice: BackendChoice | None = None, command: str = "generate") -> Loaded:
+def load_model(args, choice: BackendChoice | None = None, command: str = "generate") -> LoadedModel:
     from k2trt.runtime.distributed.world import DEFAULT_TIMEOUT_S, launched
 
     choice = choice or choice_from_args(args)
@@ -119,10 +121,10 @@ def load(args, choice: BackendChoice | None = None, command: str = "generate") -
 
         counts = parse_counts(args.stages) if getattr(args, "stages", None) else None
         backend, session = load_rank(ckpt, choice, counts, getattr(args, "dist_timeout", None) or DEFAULT_TIMEOUT_S)
-        return Loaded(backend, tok, ckpt, session)
+        return LoadedModel(backend, tok, ckpt, session)
     backend = open_backend(choice, ckpt)
     backend.prepare(progress=progress_line(f"k2trt {command}"))
-    return Loaded(backend, tok, ckpt)
+    return LoadedModel(backend, tok, ckpt)
 
 
 def launch_if_asked(args) -> int | None:
@@ -138,7 +140,7 @@ def launch_if_asked(args) -> int | None:
     return run_pipeline(args.argv, n)
 
 
-def make_generator(loaded: Loaded, max_context: int | None):
+def make_generator(loaded: LoadedModel, max_context: int | None):
     """A static batch through the scheduler (generate, chat)."""
     from k2trt.runtime.generation.generator import Generator
 
