@@ -2,8 +2,8 @@
 [--max-context N] [--pipeline N]`: an OpenAI-compatible server with continuous batching (runtime/serve/app.py).
 
 The model loads as for generate (one process, or pipeline stages with rank 0 serving HTTP), the scheduler runs in
-a thread of its own (serve/scheduler_thread.py), uvicorn serves. SIGTERM or ^C stops taking requests, lets those in flight finish
-for up to --shutdown-timeout seconds, cancels the rest and exits 0.
+a thread of its own (serve/scheduler_thread.py), uvicorn serves. SIGTERM or ^C stops taking requests, lets those
+in flight finish for up to --shutdown-timeout seconds, cancels the rest and exits 0.
 """
 
 from __future__ import annotations

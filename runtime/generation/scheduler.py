@@ -182,8 +182,12 @@ class Scheduler:
             self._finish(req, FINISH_CANCELLED)
 
     def _admit(self) -> None:
-        while self.waiting and len(self.layout) < self.limits.max_batch:
+        while self.waiting and self._has_room(self.waiting[0]):
             self._ops += self.layout.add(self.waiting.popleft())
+
+    def _has_room(self, req: Request) -> bool:
+        """Whether the next waiting request may take a slot now (a paged cache would also ask for its pages)."""
+        return len(self.layout) < self.limits.max_batch
 
     def _prefill_step(self, reqs: list[Request]) -> None:
         chunk = self._chunk_size(reqs)
