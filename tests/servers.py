@@ -112,6 +112,7 @@ class InProcessServer:
         args = parser.parse_args(["--model", str(ckpt), "--onnx", str(onnx), "--served-model-name", "tiny",
                                   "--log-level", "warning", "--port", str(self.port), *serve_args])
         checkpoint, tokenizer = open_model(ckpt)
+        self.tokenizer = tokenizer
         self.gate = Gate(open_backend(BackendChoice("ort", onnx=onnx), checkpoint))
         self.server, self.scheduler_thread = serve.make_server(args, LoadedModel(self.gate, tokenizer, checkpoint))
         self.url = f"http://127.0.0.1:{self.port}"

@@ -90,6 +90,26 @@ def test_models_health_and_metrics(server):
         assert name in m, name
 
 
+def test_the_server_decodes_each_token_once(tiny_ckpt, tiny_export):
+    """The text of every choice, streamed or not, with stop strings or not, comes from one decode of each token
+    (in the scheduler's thread); the streamed text is the text answered whole."""
+    with InProcessServer(tiny_ckpt, tiny_export, "--max-context", "512") as s:
+        decoded = []
+        real = s.tokenizer.id_to_bytes
+        s.tokenizer.id_to_bytes = lambda i: (decoded.append(i), real(i))[1]
+        whole = s.client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=12, temperature=0.9, seed=3,
+                                            n=2, stop=["no such text"])
+        assert [c.finish_reason for c in whole.choices] == ["length"] * 2  # no stop token: every token is shown
+        assert len(decoded) == whole.usage.completion_tokens == 24
+        decoded.clear()
+        parts: dict[int, str] = {}
+        for chunk in s.client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=12, temperature=0.9,
+                                                 seed=3, n=2, stream=True, stream_options={"include_usage": True}):
+            for c in chunk.choices:
+                parts[c.index] = parts.get(c.index, "") + c.text
+        assert len(decoded) == 24 and [parts[i] for i in (0, 1)] == [c.text for c in whole.choices]
+
+
 # ---- continuous batching ----------------------------------------------------------------------------------------
 
 @pytest.mark.slow
