@@ -56,14 +56,19 @@ class Limits:
                    mask_budget=mask_budget)
 
 
-class PromptError(K2Error):
-    """A prompt the scheduler refuses before any work (the server answers 400, naming the prompt)."""
+class RequestError(K2Error):
+    """A request the scheduler refuses before any work; `field` is the part of it at fault ("prompt" or
+    "max_new_tokens"), for the server's 400 to name."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
 
 
-class ContextTooLong(PromptError):
+class ContextTooLong(RequestError):
     """The prompt and the new tokens asked for exceed max_context."""
 
     def __init__(self, name: str, prompt_tokens: int, new_tokens: int, max_context: int):
         super().__init__(f"{name} has {prompt_tokens} tokens; with {new_tokens} new tokens that exceeds the context "
-                         f"limit of {max_context}")
+                         f"limit of {max_context}", "prompt")
         self.prompt_tokens, self.new_tokens, self.max_context = prompt_tokens, new_tokens, max_context

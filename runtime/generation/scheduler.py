@@ -27,7 +27,7 @@ from typing import Callable
 
 from k2trt.config import K2Config
 from k2trt.runtime.generation.cache import bucket
-from k2trt.runtime.generation.limits import ContextTooLong, Limits, PromptError
+from k2trt.runtime.generation.limits import ContextTooLong, Limits, RequestError
 from k2trt.runtime.generation.sampling import DEFAULTS, SamplingParams
 from k2trt.runtime.generation.step import DECODE, PREFILL, Admit, Move, Release, SlotOp, StepPlan, Swap
 from k2trt.runtime.generation.timings import Timings
@@ -131,14 +131,15 @@ class Scheduler:
 
     # ---- requests ------------------------------------------------------------------------------------
     def check(self, req: Request, name: str = "the prompt") -> None:
-        """Every error a request can have, raised before any work (PromptError; ContextTooLong past the context)."""
+        """Every error a request can have, raised before any work (RequestError; ContextTooLong past the context)."""
         if req.max_new_tokens < 1:
-            raise PromptError(f"max new tokens must be >= 1, got {req.max_new_tokens}")
+            raise RequestError(f"max new tokens must be >= 1, got {req.max_new_tokens}", "max_new_tokens")
         if not req.prompt:
-            raise PromptError(f"{name} is empty")
+            raise RequestError(f"{name} is empty", "prompt")
         bad = [t for t in req.prompt if not 0 <= t < self.cfg.vocab_size]
         if bad:
-            raise PromptError(f"{name} has token id {bad[0]} outside the vocabulary (size {self.cfg.vocab_size})")
+            raise RequestError(f"{name} has token id {bad[0]} outside the vocabulary (size {self.cfg.vocab_size})",
+                               "prompt")
         if len(req.prompt) + req.max_new_tokens > self.limits.max_context:
             raise ContextTooLong(name, len(req.prompt), req.max_new_tokens, self.limits.max_context)
 
@@ -226,8 +227,9 @@ class Scheduler:
         """The capacity a step writing up to `step_needs` positions runs at: enough for every running request and
         the step's writes, bucketed; shrunk only when far too big, since each change copies the cache."""
         needed = max([step_needs] + [r.cached for r in self.layout.order])
-        return self.capacity if self.capacity // 4 < needed <= self.capacity else bucket(needed,
-                                                                                          self.limits.max_context)
+        if self.capacity // 4 < needed <= self.capacity:
+            return self.capacity
+        return bucket(needed, self.limits.max_context)
 
     def _size_cache(self, step_needs: int) -> None:
         """Rows and capacity for the next step."""

@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from k2trt.errors import K2Error
-from k2trt.runtime.generation.limits import ContextTooLong, PromptError
+from k2trt.runtime.generation.limits import ContextTooLong, RequestError
 from k2trt.runtime.generation.scheduler import FINISH_CANCELLED
 from k2trt.runtime.generation.scheduler import Request as GenRequest
 from k2trt.runtime.serve import protocol
@@ -124,9 +124,9 @@ class Serving:
         except ShuttingDown as e:
             _cancel(choices)
             raise protocol.APIError(503, str(e), type_="server_error", headers={"Retry-After": "5"}) from None
-        except PromptError as e:
+        except RequestError as e:
             _cancel(choices)
-            raise prompt_error(e, "messages" if chat else "prompt") from None
+            raise request_error(e, chat) from None
         except K2Error as e:
             _cancel(choices)
             raise protocol.APIError(400, str(e)) from None
@@ -207,9 +207,10 @@ def chat_prompt(tokenizer, messages: list[protocol.ChatMessage]) -> list[int]:
         raise protocol.APIError(400, str(e), param="messages") from None
 
 
-def prompt_error(e: PromptError, param: str) -> protocol.APIError:
-    """The one mapping of a prompt the scheduler refuses to its HTTP error: 400, naming the prompt (or the
-    messages), in OpenAI's words and code when it is past the context."""
+def request_error(e: RequestError, chat: bool) -> protocol.APIError:
+    """The one mapping of a request the scheduler refuses to its HTTP error: a 400 naming the field at fault (the
+    prompt is a chat's messages), in OpenAI's words and code when it is past the context."""
+    param = {"prompt": "messages" if chat else "prompt", "max_new_tokens": "max_tokens"}[e.field]
     if isinstance(e, ContextTooLong):
         return protocol.APIError(
             400, f"This model's maximum context length is {e.max_context} tokens. However, you requested "
