@@ -151,6 +151,9 @@ BAD = [
     ({"model": "tiny", "prompt": "hi", "temperature": 7}, 400, "temperature"),
     ({"model": "tiny", "prompt": "hi", "top_p": 0}, 400, "top_p"),
     ({"model": "tiny", "prompt": "hi", "seed": -1}, 400, "seed"),
+    ({"model": "tiny", "prompt": "hi", "temperature": -0.5}, 400, "temperature: must be a finite number >= 0"),
+    ({"model": "tiny", "prompt": "hi", "top_p": 1.5}, 400, "top_p: must be in (0, 1], got 1.5"),
+    ({"model": "tiny", "prompt": "hi", "top_k": -1}, 400, "top_k: must be an integer >= 0, got -1"),
     ({"model": "tiny", "prompt": "hi", "logprobs": 3}, 400, "logprobs"),
     ({"model": "tiny", "prompt": []}, 400, "prompt"),
     ({"model": "tiny", "prompt": [[]]}, 400, "prompt"),
@@ -175,6 +178,7 @@ BAD_CHAT = [
 def test_bad_completion_requests(server, body, status, says):
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == status and says in r.json()["error"]["message"], r.text
+    assert "--" not in r.json()["error"]["message"]  # fields are named as the API spells them, not as flags
     assert httpx.get(server.url + "/health").status_code == 200
 
 
