@@ -1,27 +1,72 @@
 """Command-line values checked where they are declared (argparse types), so an out-of-range number is the
-parser's one-line error before any work, in every command that takes it."""
+parser's one-line error before any work, in every command that takes it. A rule that also applies elsewhere
+(a request's sampling values, checked by runtime/generation/sampling.py) is written once there and handed to
+`checked`, so the flag and the API refuse the same values with the same words."""
 
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+import math
+from typing import Callable, TypeVar
 
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit value
+
+T = TypeVar("T")
+
+
+def checked(parse: Callable[[str], T], problem: Callable[[T], str | None], kind: str) -> Callable[[str], T]:
+    """An argparse type: the text parsed by `parse` (a ValueError is "expected KIND"), then refused with the
+    message `problem(value)` returns, if it returns one."""
+    def convert(text: str) -> T:
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
+        message = problem(value)
+        if message:
+            raise argparse.ArgumentTypeError(message)
+        return value
+
+    convert.__name__ = kind  # argparse names the type in its own messages
+    return convert
+
+
+def integer(text: str) -> int:
+    """An integer in decimal (leading zeros too), or as Python writes it (0x10, 1_000)."""
+    try:
+        return int(text)
+    except ValueError:
+        return int(text, 0)
 
 
 def int_in(low: int, high: int) -> Callable[[str], int]:
     """An argparse type: an integer in low..high."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text, 0)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be in {low}..{high}, got {text}")
-        return value
+    return checked(integer, lambda v: None if low <= v <= high else f"must be in {low}..{high}, got {v}",
+                   "an integer")
 
-    parse.__name__ = "integer"
-    return parse
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= low."""
+    return checked(integer, lambda v: None if v >= low else f"must be >= {low}, got {v}", "an integer")
+
+
+# An argparse type: a finite number > 0.
+positive_number = checked(float, lambda v: None if math.isfinite(v) and v > 0 else f"must be a finite number > 0, "
+                                                                                 f"got {v}", "a number")
+
+
+def int_list(low: int = 1) -> Callable[[str], list[int]]:
+    """An argparse type: comma-separated integers, each >= low (e.g. batch sizes "1,4,16")."""
+    def parse(text: str) -> list[int]:
+        return [int(v) for v in text.split(",") if v.strip()]
+
+    def problem(values: list[int]) -> str | None:
+        if not values:
+            return "expected at least one integer"
+        return None if min(values) >= low else f"expected integers >= {low}, got {','.join(map(str, values))}"
+
+    return checked(parse, problem, "comma-separated integers")
 
 
 seed = int_in(0, MAX_SEED)
+port = int_in(0, 65535)

@@ -199,30 +199,40 @@ def test_a_failing_rank_ends_every_rank_with_one_line(tiny_ckpt, tiny_export, tm
     assert err[0].startswith("k2trt generate: error: rank 1: ") and only_rank1[0] in err[0], err
 
 
+def _child_with_rank(parent: int, rank: int) -> int | None:
+    """The pid of the launcher's child with RANK=rank, if it is there yet."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and f"RANK={rank}".encode() in env:
+            return int(pid)
+    return None
+
+
 @pytest.mark.slow
 def test_a_killed_rank_ends_every_rank(tiny_ckpt, tiny_export):
-    """A rank that dies without a word (SIGKILL) still ends the run, naming it, within the timeout."""
+    """A rank that dies without a word (SIGKILL) while the pipeline steps still ends the run, naming it, within
+    the timeout. It is killed once rank 0 has streamed its first text: loaded and stepping, with thousands of
+    steps to go."""
     import signal
+
+    from servers import HANG_S, wait_until
 
     args = ["generate", "--model", str(tiny_ckpt), "--onnx", str(tiny_export), "--prompt", "Hi",
             "--max-new-tokens", "5000", "--max-context", "8000", "--pipeline", "2", "--dist-timeout", "20"]
     proc = subprocess.Popen(K2TRT + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    victim = None
-    while victim is None and time.monotonic() < deadline:  # rank 1: the launcher's child with RANK=1
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                parent = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-            except (OSError, IndexError, ValueError):
-                continue
-            if parent == proc.pid and b"RANK=1" in env:
-                victim = int(pid)
-        time.sleep(0.5)
-    assert victim is not None
-    time.sleep(8)  # loaded and stepping
-    os.kill(victim, signal.SIGKILL)
-    out, err = proc.communicate(timeout=90)
+    try:
+        victim = wait_until(lambda: _child_with_rank(proc.pid, 1), "rank 1 to start", every_s=0.1)
+        assert proc.stdout.read(1), "rank 0 streamed nothing"  # the first character of the generated text
+        os.kill(victim, signal.SIGKILL)
+        out, err = proc.communicate(timeout=HANG_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     lines = err.strip().splitlines()
     assert proc.returncode == 2 and lines[-1].startswith("k2trt generate: error: rank 1 "), err[-2000:]
     assert "signal 9" in lines[-1] or "lost contact" in lines[-1] or "rank 1 failed" in lines[-1]

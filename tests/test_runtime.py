@@ -13,8 +13,10 @@ from k2trt.graphs.reference import ReferenceModel, greedy_generate
 from k2trt.runtime.backends.contract import BackendLimits, BackendWrapper
 from k2trt.runtime.commands.generate import StreamPrinter
 from k2trt.runtime.generation.generator import Generator
+from k2trt.runtime.generation.limits import Limits
 from k2trt.runtime.backends.ort import OrtBackend
 from k2trt.runtime.generation.sampling import Sampler, SamplingParams
+from k2trt.runtime.text.text_stream import StopRules
 from k2trt.runtime.text.tokenizer import KimiTokenizer
 from k2trt.errors import K2Error
 
@@ -69,21 +71,45 @@ def test_stop_token_and_stop_string(setup):
     ckpt, tok, ref, gen = setup
     ids = tok.encode(PROMPTS[0])
     free = greedy_generate(ref, ids, 8)[0]
-    stopper = Generator(gen.backend, ckpt.config, stop_ids=(free[3],))
-    (res,), _ = stopper.generate([ids], 8)
+    (res,), _ = gen.generate([ids], 8, stops=StopRules(ids=frozenset({free[3]})))
     assert res.token_ids == free[:4] and res.finish_reason == "stop_token"
-    (res,), _ = gen.generate([ids], 8, stop_check=lambda s, got: len(got) == 2)
+    # a stop string that first appears in the text of the second token ends the sequence there, cut before it
+    first, second = tok.decode(free[:1]), tok.decode(free[:2])
+    stop = second[len(first):][:2]
+    assert stop.strip() and stop not in first
+    (res,), _ = gen.generate([ids], 8, stops=StopRules.of(tok, [stop]))
     assert res.token_ids == free[:2] and res.finish_reason == "stop_string"
+    assert res.text == second[:second.index(stop)]
+
+
+def test_one_text_path_decodes_each_token_once(setup, monkeypatch):
+    """The stop check, the streamed text and the final text come from one TextStream per sequence, which decodes
+    each kept token once; the text streamed is the final text."""
+    _, tok, _, gen = setup
+    decoded = []
+    real = tok.id_to_bytes
+    monkeypatch.setattr(tok, "id_to_bytes", lambda i: (decoded.append(i), real(i))[1])
+    streamed: dict[int, str] = {}
+    prompts = [tok.encode(p) for p in PROMPTS]
+    results, _ = gen.generate(prompts, 12, stops=StopRules.of(tok, ["no such text"]),
+                              on_text=lambda seq, text: streamed.update({seq: streamed.get(seq, "") + text}))
+    shown = [t for r in results for t in r.token_ids if t not in tok.stop_ids]
+    assert sorted(decoded) == sorted(shown)
+    assert [streamed.get(i, "") for i in range(len(prompts))] == [r.text for r in results]
+    assert [r.text for r in results] == [tok.decode([t for t in r.token_ids if t not in tok.stop_ids])
+                                         for r in results]
 
 
 def test_stream_printer_cuts_stop_string_before_printing(setup):
     _, tok, _, _ = setup
     out = io.StringIO()
-    printer = StreamPrinter(tok.stream_decoder(), ["STOP"], out)
+    printer, stream = StreamPrinter(out), StopRules.of(tok, ["STOP"]).stream()
     for t in tok.encode("hello worSTOPld, more"):
-        printer.feed(t)
+        printer(0, stream.feed(t))
+        assert "S" not in out.getvalue()  # never a part of the stop string
+    printer(0, stream.finish())
     printer.finish()
-    assert out.getvalue() == "hello wor\n"
+    assert out.getvalue() == "hello wor\n" and stream.stopped and stream.text == "hello wor"
 
 
 def test_sampling_is_seeded_and_degenerates_to_greedy():
@@ -97,7 +123,7 @@ def test_sampling_is_seeded_and_degenerates_to_greedy():
 
 def test_context_limit_and_bad_requests_fail_before_work(setup):
     ckpt, _, _, gen = setup
-    limited = Generator(gen.backend, ckpt.config, max_context=16)
+    limited = Generator(gen.backend, ckpt.config, Limits.resolve(ckpt.config, gen.backend.limits, max_context=16))
     with pytest.raises(K2Error, match="exceeds the context limit of 16"):
         limited.generate([[1] * 10], 7)
     with pytest.raises(K2Error, match="prompt 1 is empty"):
@@ -122,9 +148,9 @@ def test_generate_cli_streams_and_summarizes(tiny_ckpt, tiny_export, capsys):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--temperature", "-1"], "--temperature must be >= 0"),
-    (["--top-p", "0"], "--top-p must be in (0, 1]"),
-    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--temperature", "-1"], "argument --temperature: must be a finite number >= 0"),
+    (["--top-p", "0"], "argument --top-p: must be in (0, 1]"),
+    (["--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1"),
     (["--max-context", "4"], "exceeds the context limit of 4"),
 ])
 def test_generate_cli_bad_arguments(tiny_ckpt, tiny_export, capsys, extra, message):
@@ -188,6 +214,39 @@ def test_chat_keeps_history_and_resets(tiny_ckpt, tiny_export, capsys, monkeypat
     assert seen[0].startswith("<|im_system|>system<|im_middle|>You are a helpful assistant<|im_end|>")
 
 
+def test_chat_stop_ends_the_reply_and_the_history_keeps_it_cut(tiny_ckpt, tiny_export, capsys, monkeypatch):
+    """`chat --stop STR`: generation ends at the stop string (not at --max-new-tokens), the display is cut before it,
+    and the next turn's prompt carries the reply as shown, not the text past the stop."""
+    from k2trt.runtime.commands import chat
+
+    def talk(*extra: str) -> tuple[list[str], list[str], str]:
+        prompts = []
+        real = chat.make_generator
+
+        def spy(loaded, max_context, **kw):
+            gen = real(loaded, max_context, **kw)
+            inner = gen.generate
+            gen.generate = lambda ps, *a, **k: (prompts.append(loaded.tokenizer.decode(ps[0])), inner(ps, *a, **k))[1]
+            return gen
+
+        monkeypatch.setattr(chat, "make_generator", spy)
+        monkeypatch.setattr("sys.stdin", io.StringIO("Hello\nAgain\n/exit\n"))
+        rc = main(["chat", "--model", str(tiny_ckpt), "--onnx", str(tiny_export), "--max-new-tokens", "24", *extra])
+        cap = capsys.readouterr()
+        assert rc == 0, cap.err
+        replies = [r.removesuffix("\n") for r in cap.out.split("k2> ")[1:]]
+        return replies, prompts, cap.err
+
+    free, _, _ = talk()
+    at = next(i for i in range(len(free[0]) // 3, len(free[0]) - 1) if free[0][i:i + 2].strip()
+              and free[0].index(free[0][i:i + 2]) == i)
+    stop = free[0][at:at + 2]
+    cut, prompts, err = talk("--stop", stop)
+    assert cut[0] == free[0][:at]
+    assert "24 new" not in err.splitlines()[0]  # the first reply ended at the stop string
+    assert free[0][:at] + "<|im_end|>" in prompts[1] and free[0] not in prompts[1]
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda d: (d / "ort" / "head.onnx").write_bytes(b"not a graph"), "changed since export"),
     (lambda d: (d / "ort" / "head.onnx").unlink(), "missing (re-export)"),
@@ -214,8 +273,12 @@ def test_unwritable_output_path_gives_one_line(capsys):
 def test_chunked_prefill_gives_the_same_tokens(setup):
     ckpt, tok, ref, gen = setup
     prompts = [tok.encode(p) for p in PROMPTS]
-    whole, _ = Generator(gen.backend, ckpt.config, prefill_chunk=10_000).generate(prompts, 8)
-    chunked, _ = Generator(gen.backend, ckpt.config, prefill_chunk=3).generate(prompts, 8)
+    def chunked_by(chunk: int) -> Generator:
+        return Generator(gen.backend, ckpt.config, Limits.resolve(ckpt.config, gen.backend.limits,
+                                                                  prefill_chunk=chunk))
+
+    whole, _ = chunked_by(10_000).generate(prompts, 8)
+    chunked, _ = chunked_by(3).generate(prompts, 8)
     assert [r.token_ids for r in whole] == [r.token_ids for r in chunked]
 
 
@@ -228,7 +291,7 @@ def test_backend_limits_bound_the_request(setup):
             self.limits = BackendLimits(max_context=20, max_tokens_per_step=4)
 
     g = Generator(Limited(gen.backend), ckpt.config)
-    assert (g.max_context, g.prefill_chunk) == (20, 4)
+    assert (g.limits.max_context, g.limits.prefill_chunk) == (20, 4)
     with pytest.raises(K2Error, match="context limit of 20"):
         g.generate([[5] * 15], 6)
 

@@ -5,37 +5,19 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
-from k2trt.tools.bench_serve import LiveServer
+from servers import HANG_S, InProcessServer, Server, metric, wait_until
 
 PROMPTS = ["The quick brown fox", "Hello", "Zwölf Boxkämpfer jagen Viktor quer über den großen Sylter Deich.",
            "Once upon a time", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12", "Le petit déjeuner était prêt",
            "def encode(text):", "Kimi K2 is a mixture of experts"]
-
-
-class Server(LiveServer):
-    """A live `k2trt serve` on the embedded tiny checkpoint, with the official client pointed at it."""
-
-    def __init__(self, ckpt, onnx, *extra):
-        log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"k2trt-serve-{os.getpid()}-{id(self)}.log", "w+")
-        super().__init__(["--model", str(ckpt), "--onnx", str(onnx), "--served-model-name", "tiny", *extra], log,
-                         startup_s=180)
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
-
-    def stop(self) -> int:
-        code = super().stop()
-        assert code is not None, "server did not stop on SIGTERM:\n" + self.output()
-        return code
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +90,26 @@ def test_models_health_and_metrics(server):
         assert name in m, name
 
 
+def test_the_server_decodes_each_token_once(tiny_ckpt, tiny_export):
+    """The text of every choice, streamed or not, with stop strings or not, comes from one decode of each token
+    (in the scheduler's thread); the streamed text is the text answered whole."""
+    with InProcessServer(tiny_ckpt, tiny_export, "--max-context", "512") as s:
+        decoded = []
+        real = s.tokenizer.id_to_bytes
+        s.tokenizer.id_to_bytes = lambda i: (decoded.append(i), real(i))[1]
+        whole = s.client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=12, temperature=0.9, seed=3,
+                                            n=2, stop=["no such text"])
+        assert [c.finish_reason for c in whole.choices] == ["length"] * 2  # no stop token: every token is shown
+        assert len(decoded) == whole.usage.completion_tokens == 24
+        decoded.clear()
+        parts: dict[int, str] = {}
+        for chunk in s.client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=12, temperature=0.9,
+                                                 seed=3, n=2, stream=True, stream_options={"include_usage": True}):
+            for c in chunk.choices:
+                parts[c.index] = parts.get(c.index, "") + c.text
+        assert len(decoded) == 24 and [parts[i] for i in (0, 1)] == [c.text for c in whole.choices]
+
+
 # ---- continuous batching ----------------------------------------------------------------------------------------
 
 @pytest.mark.slow
@@ -121,16 +123,24 @@ def test_concurrent_requests_equal_each_alone(server, sampling):
 
 
 @pytest.mark.slow
-def test_a_request_arriving_mid_decode_disturbs_nobody(server):
-    first_alone = complete(server, PROMPTS[0], 40, temperature=0)[0]
-    second_alone = complete(server, PROMPTS[4], 12, temperature=0)[0]
-    got, second = [], None
-    for i, chunk in enumerate(server.client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=40,
-                                                              temperature=0, stream=True)):
-        got.append(chunk.choices[0].text)
-        if i == 5:  # the first is decoding: the second joins at the next step
-            second = complete(server, PROMPTS[4], 12, temperature=0)[0]
-    assert "".join(got) == first_alone and second == second_alone
+def test_a_request_arriving_mid_decode_disturbs_nobody(tiny_ckpt, tiny_export):
+    """The first request is held after 6 of its 40 tokens; the second arrives then and joins its decode steps;
+    both get the tokens they get alone."""
+    with InProcessServer(tiny_ckpt, tiny_export, "--max-batch", "4", "--max-context", "512") as s:
+        first_alone = complete(s, PROMPTS[0], 40, temperature=0)[0]
+        second_alone = complete(s, PROMPTS[4], 12, temperature=0)[0]
+        s.gate.batches.clear()
+        s.gate.allow(6)  # the first's prefill and 5 decode steps, then it waits for its 7th token
+        with cf.ThreadPoolExecutor(2) as pool:
+            first = pool.submit(lambda: "".join(c.choices[0].text for c in s.client.completions.create(
+                model="tiny", prompt=PROMPTS[0], max_tokens=40, temperature=0, stream=True)))
+            s.gate.wait_held()
+            assert [len(r.token_ids) for r in s.scheduler.layout.order] == [6]
+            second = pool.submit(complete, s, PROMPTS[4], 12, temperature=0)
+            wait_until(lambda: s.scheduler_thread.waiting == 1, "the second request to wait for the next step")
+            s.gate.open()
+            assert first.result(HANG_S) == first_alone and second.result(HANG_S)[0] == second_alone
+        assert 2 in s.gate.batches  # the two decoded in the same steps
 
 
 # ---- errors -----------------------------------------------------------------------------------------------------
@@ -141,6 +151,9 @@ BAD = [
     ({"model": "tiny", "prompt": "hi", "temperature": 7}, 400, "temperature"),
     ({"model": "tiny", "prompt": "hi", "top_p": 0}, 400, "top_p"),
     ({"model": "tiny", "prompt": "hi", "seed": -1}, 400, "seed"),
+    ({"model": "tiny", "prompt": "hi", "temperature": -0.5}, 400, "temperature: must be a finite number >= 0"),
+    ({"model": "tiny", "prompt": "hi", "top_p": 1.5}, 400, "top_p: must be in (0, 1], got 1.5"),
+    ({"model": "tiny", "prompt": "hi", "top_k": -1}, 400, "top_k: must be an integer >= 0, got -1"),
     ({"model": "tiny", "prompt": "hi", "logprobs": 3}, 400, "logprobs"),
     ({"model": "tiny", "prompt": []}, 400, "prompt"),
     ({"model": "tiny", "prompt": [[]]}, 400, "prompt"),
@@ -165,6 +178,7 @@ BAD_CHAT = [
 def test_bad_completion_requests(server, body, status, says):
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == status and says in r.json()["error"]["message"], r.text
+    assert "--" not in r.json()["error"]["message"]  # fields are named as the API spells them, not as flags
     assert httpx.get(server.url + "/health").status_code == 200
 
 
@@ -186,39 +200,71 @@ def test_invalid_json_huge_body_and_unknown_path(server):
 
 # ---- slots, queue, shutdown (a one-slot server) -----------------------------------------------------------------
 
-@pytest.mark.slow
-def test_disconnect_frees_the_slot_queue_full_and_sigterm(tiny_ckpt, tiny_export):
-    s = Server(tiny_ckpt, tiny_export, "--max-batch", "1", "--max-queue", "1", "--max-context", "4096")
-    try:
-        # a client that goes away mid-stream: its request is cancelled and the one slot is free again
-        with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
+def test_a_client_that_leaves_mid_stream_frees_the_slot(tiny_ckpt, tiny_export):
+    """The stream is held at the gate after a few tokens; the client goes away; the request is cancelled (seen
+    before the gate opens, so it cannot have finished instead) and the one slot serves the next request."""
+    with InProcessServer(tiny_ckpt, tiny_export, "--max-batch", "1", "--max-queue", "1",
+                         "--max-context", "4096") as s:
+        s.gate.allow(8)
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=HANG_S,
                           json={"model": "tiny", "prompt": "Hello", "max_tokens": 3000, "temperature": 0,
                                 "stream": True}) as r:
-            for i, _ in enumerate(r.iter_lines()):
-                if i > 6:
-                    break
-        t0 = time.monotonic()
+            assert r.status_code == 200
+            lines = r.iter_lines()  # kept: a dropped line iterator would close the stream here
+            next(line for line in lines if line.startswith("data: {"))
+            s.gate.wait_held()
+            (held,) = s.scheduler.layout.order
+            assert not held.cancelled  # the client is still there
+        # the stream is closed: the client has gone
+        wait_until(lambda: held.cancelled, "the server to see the client leave")
+        s.gate.open()
         assert complete(s, "Hello", 4, temperature=0)[2] == 4
-        assert time.monotonic() - t0 < 30
-        assert 'finished_reason="cancelled"' in httpx.get(s.url + "/metrics").text
+        assert held.finish_reason == "cancelled" and len(held.token_ids) <= 9
+        assert metric(s.url, "k2trt:request_success_total", '{finished_reason="cancelled"}') == 1
 
-        # one decoding, one waiting: the next is refused with 429 and Retry-After
-        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 1500, "temperature": 0}
+
+def test_a_full_queue_answers_429_with_retry_after(tiny_ckpt, tiny_export):
+    """One request holds the only slot (at the gate), one waits; the next is refused until they are done."""
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 0}
+    with InProcessServer(tiny_ckpt, tiny_export, "--max-batch", "1", "--max-queue", "1") as s:
+        s.gate.close()
         with cf.ThreadPoolExecutor(2) as pool:
-            running = pool.submit(httpx.post, s.url + "/v1/completions", json=body, timeout=300)
-            time.sleep(1.5)
-            waiting = pool.submit(httpx.post, s.url + "/v1/completions", json=body, timeout=300)
-            time.sleep(1.5)
-            r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
-            assert r.status_code in (429, 503) and "Retry-After" in r.headers and "error" in r.json()
-            # SIGTERM while both are in flight: they finish or are cancelled, and the server exits 0
+            running = pool.submit(httpx.post, s.url + "/v1/completions", json=body, timeout=HANG_S)
+            s.gate.wait_held()
+            waiting = pool.submit(httpx.post, s.url + "/v1/completions", json=body, timeout=HANG_S)
+            wait_until(lambda: metric(s.url, "k2trt:num_requests_waiting") == 1, "the second request to wait")
+            assert metric(s.url, "k2trt:num_requests_running") == 1
+            r = httpx.post(s.url + "/v1/completions", json=body, timeout=HANG_S)
+            assert r.status_code == 429 and r.headers["Retry-After"] == "1" and r.json()["error"]["type"] == \
+                "rate_limit_error"
+            s.gate.open()
+            for f in (running, waiting):
+                assert f.result(HANG_S).json()["usage"]["completion_tokens"] == 8
+        assert httpx.post(s.url + "/v1/completions", json=body, timeout=HANG_S).status_code == 200
+
+
+@pytest.mark.slow
+def test_sigterm_with_requests_in_flight_exits_0(tiny_ckpt, tiny_export):
+    """SIGTERM while one request decodes and one waits: they finish or are cancelled, and the server exits 0.
+    Each asks for the whole context with ignore_eos, so neither can end before the signal on any machine."""
+    s = Server(tiny_ckpt, tiny_export, "--max-batch", "1", "--max-queue", "1", "--max-context", "4096",
+               "--shutdown-timeout", "2")
+    try:
+        prompt = s.client.completions.create(model="tiny", prompt="Hello", max_tokens=1).usage.prompt_tokens
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4096 - prompt, "temperature": 0,
+                "ignore_eos": True}
+        with cf.ThreadPoolExecutor(2) as pool:
+            running = pool.submit(httpx.post, s.url + "/v1/completions", json=body, timeout=HANG_S)
+            wait_until(lambda: metric(s.url, "k2trt:num_requests_running") == 1, "the first request to run")
+            waiting = pool.submit(httpx.post, s.url + "/v1/completions", json=body, timeout=HANG_S)
+            wait_until(lambda: metric(s.url, "k2trt:num_requests_waiting") == 1, "the second request to wait")
             s.proc.send_signal(signal.SIGTERM)
             for f in (running, waiting):
                 try:
-                    f.result(timeout=120)
+                    f.result(HANG_S)
                 except httpx.HTTPError:
-                    pass
-        assert s.proc.wait(timeout=60) == 0, s.output()
+                    pass  # cancelled by the shutdown
+        assert s.proc.wait(timeout=HANG_S) == 0, s.output()
     finally:
         s.stop()
 
@@ -245,7 +291,9 @@ def test_serving_from_pipeline_stages(tiny_ckpt, tiny_export, server):
     try:
         with cf.ThreadPoolExecutor(3) as pool:
             assert list(pool.map(lambda p: complete(s, p, 10, temperature=0), PROMPTS[:3])) == alone
-        time.sleep(10)  # idle: rank 0 keeps the follower's waits short of the timeout
+        # the condition under test is idle wall time itself: longer than --dist-timeout, during which rank 0's
+        # keepalive steps (every timeout / 4) keep the follower's waits short of it
+        time.sleep(10)
         assert complete(s, PROMPTS[0], 10, temperature=0) == alone[0]
     finally:
         assert s.stop() == 0, s.output()

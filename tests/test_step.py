@@ -74,6 +74,7 @@ def test_batched_greedy_picks_what_each_sampler_would():
 def test_prefill_masks_stay_in_budget_beside_a_long_conversation():
     """A step's mask is B x T x (P + T) with P the cache's capacity, which a long request decoding beside fresh
     prompts sets: the fresh prompts' chunks shrink with it, so every prefill step stays within the budget."""
+    from k2trt.runtime.generation.limits import Limits
     from k2trt.runtime.generation.scheduler import Request, Scheduler
 
     class Recorder:  # an executor that records the plans and samples token 1 wherever asked
@@ -86,7 +87,7 @@ def test_prefill_masks_stay_in_budget_beside_a_long_conversation():
 
     budget = 1 << 20
     executor = Recorder()
-    sched = Scheduler(executor, CFG, max_slots=8, max_context=8192, prefill_chunk=512, mask_budget=budget)
+    sched = Scheduler(executor, CFG, Limits(max_context=8192, max_batch=8, prefill_chunk=512, mask_budget=budget))
     conversation = sched.submit(Request([5] * 4000, max_new_tokens=64))
     while not conversation.token_ids:
         sched.iteration()

@@ -187,6 +187,45 @@ def test_bad_json(tok_dir, tmp_path):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("field, value, says", [
+    ("bos_token", ["[BOS]"], 'bos_token must be a token name (a string, or an object with a string "content"), '
+                             "got a list ['[BOS]']"),
+    ("eos_token", 5, "eos_token must be a token name"),
+    ("pad_token", {"content": 5}, "pad_token must be a token name"),
+    ("unk_token", [1], "unk_token must be a token name"),
+    ("added_tokens_decoder", {"1792": {"content": ["x"]}}, "added_tokens_decoder entry '1792' must be a token name"),
+    ("added_tokens_decoder", [], "added_tokens_decoder must be an object"),
+])
+def test_a_field_of_the_wrong_shape_is_one_line(tok_dir, tmp_path, field, value, says):
+    """A name that is not a string is refused where it is read, never replaced by a default or a traceback."""
+    _copy(tok_dir, tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config[field] = value
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(K2Error) as err:
+        KimiTokenizer.from_dir(tmp_path)
+    assert "tokenizer_config.json: " + says in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("template, says", [
+    (5, "chat_template must be a string or a list of named templates, got a number 5"),
+    ([{"name": ["default"], "template": "x"}], 'chat_template[0] must be an object with a string "name" and a string '
+                                               '"template"'),
+    ([{"name": "default", "template": 5}], 'chat_template[0] must be an object with a string "name"'),
+    ([{"name": "other", "template": "{{ x }}"}, 7], "chat_template[1] must be an object"),
+])
+def test_a_chat_template_of_the_wrong_shape_is_refused_when_a_chat_is_encoded(tok_dir, tmp_path, template, says):
+    _copy(tok_dir, tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = KimiTokenizer.from_dir(tmp_path)
+    assert tok.decode(tok.encode("a plain prompt")) == "a plain prompt"  # never stops a plain prompt
+    with pytest.raises(K2Error) as err:
+        tok.encode_chat([{"role": "user", "content": "Hi"}])
+    assert says in str(err.value) and "\n" not in str(err.value)
+
+
 def test_unnamed_slots_fall_back_to_reserved_names(tmp_path):
     # A config that names only the used specials (allowed by Kimi's loader) still fills all 256 slots.
     write_tiny_tokenizer(tmp_path, BASE)

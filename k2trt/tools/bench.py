@@ -12,6 +12,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from k2trt.args import at_least, int_list
 from k2trt.errors import K2Error, MissingDependency
 from k2trt.tools.synthetic import synthetic_prompts
 from k2trt.hub import model_dir
@@ -21,27 +22,18 @@ PHASES = ("prefill", "decode")
 SANITY_PROMPT, SANITY_TOKENS = 16, 8  # the greedy tokens of transformers and the runtime must agree here
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return values
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=model_dir, required=True)
     p.add_argument("--onnx", type=Path, required=True)
-    p.add_argument("--batch", type=_int_list, default=[1, 4, 16], help="batch sizes, comma-separated")
-    p.add_argument("--prompt-len", type=_int_list, default=[16, 128, 512], help="prompt lengths, comma-separated")
-    p.add_argument("--new-tokens", type=int, default=16)
-    p.add_argument("--repeat", type=int, default=3, help="timed runs of every backend per row (median reported)")
+    p.add_argument("--batch", type=int_list(1), default=[1, 4, 16], help="batch sizes, comma-separated")
+    p.add_argument("--prompt-len", type=int_list(1), default=[16, 128, 512], help="prompt lengths, comma-separated")
+    p.add_argument("--new-tokens", type=at_least(1), default=16)
+    p.add_argument("--repeat", type=at_least(1), default=3,
+                   help="timed runs of every backend per row (median reported)")
     p.add_argument("--baselines", default=f"{TRANSFORMERS},{REFERENCE}",
                    help=f"comma-separated: {TRANSFORMERS} (needs the bench extra), {REFERENCE} (eager torch)")
     p.add_argument("--json", action="store_true")
-    from k2trt.runtime.commands.loader import add_pipeline_arguments
+    from k2trt.runtime.commands.model import add_pipeline_arguments
 
     add_pipeline_arguments(p)  # --pipeline N: the per-step time of N stages against one process (pipeline_bench)
 

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from k2trt.args import at_least, int_list
 from k2trt.errors import K2Error
 from k2trt.hub import model_dir
 
@@ -32,10 +33,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--onnx", type=Path, help="export directory for the started server")
     p.add_argument("--engines", type=Path, help="engine directory for the started server")
     p.add_argument("--served-model-name", default=None, help="the model name to send (default: asked of the server)")
-    p.add_argument("--concurrency", default="1,4,16", help="comma-separated concurrency levels (default 1,4,16)")
-    p.add_argument("--requests", type=int, default=32, help="requests per level (default 32)")
-    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default 64)")
-    p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request (default 32)")
+    p.add_argument("--concurrency", type=int_list(1), default=[1, 4, 16],
+                   help="comma-separated concurrency levels (default 1,4,16)")
+    p.add_argument("--requests", type=at_least(1), default=32, help="requests per level (default 32)")
+    p.add_argument("--prompt-len", type=at_least(1), default=64, help="prompt tokens (default 64)")
+    p.add_argument("--max-tokens", type=at_least(2), default=32,
+                   help="tokens generated per request (default 32; at least 2, for an inter-token latency)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
@@ -194,9 +197,7 @@ def render(levels: list[Level], speedup: float) -> str:
 def run(args) -> int:
     import httpx
 
-    levels_asked = [int(x) for x in args.concurrency.split(",") if x.strip()]
-    if not levels_asked or min(levels_asked) < 1 or args.requests < 1 or args.prompt_len < 1 or args.max_tokens < 2:
-        raise K2Error("--concurrency levels, --requests and --prompt-len must be >= 1, --max-tokens >= 2")
+    levels_asked = args.concurrency
     if args.model is not None and not (args.onnx or args.engines):
         raise K2Error("give --onnx DIR or --engines DIR for the server to start")
     server = LiveServer(serve_args(args, max(levels_asked))) if args.model is not None else None

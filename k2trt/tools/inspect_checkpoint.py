@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from k2trt.config import K2Config
 from k2trt.errors import K2Error

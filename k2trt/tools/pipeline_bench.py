@@ -32,9 +32,9 @@ def measure(gen, prompts, new_tokens: int, repeat: int) -> dict:
 
 def single_process(args) -> dict:
     from k2trt.runtime.generation.generator import Generator
-    from k2trt.runtime.commands.loader import load
+    from k2trt.runtime.commands.model import load_model
 
-    loaded = load(args, BackendChoice("ort", args.onnx), command="bench")
+    loaded = load_model(args, BackendChoice("ort", args.onnx), command="bench")
     gen = Generator(loaded.backend, loaded.config)
     return measure(gen, prompts_of(args, loaded.config), args.new_tokens, args.repeat)
 
@@ -63,12 +63,12 @@ def run(args) -> int:
     from k2trt.runtime.distributed.session import transfer_share
     from k2trt.runtime.distributed.world import launched
     from k2trt.runtime.generation.generator import Generator
-    from k2trt.runtime.commands.loader import load
+    from k2trt.runtime.commands.model import load_model
 
     if not launched():
         os.environ[SINGLE_ENV] = json.dumps(single_process(args))
         return run_pipeline(args.argv, args.pipeline)
-    loaded = load(args, BackendChoice("ort", args.onnx), command="bench")
+    loaded = load_model(args, BackendChoice("ort", args.onnx), command="bench")
     if loaded.follower:
         loaded.session.follow()
         return 0

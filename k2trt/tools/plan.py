@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from pathlib import Path
 
 from k2trt.args import int_in
 from k2trt.config import K2Config

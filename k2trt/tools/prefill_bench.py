@@ -6,7 +6,7 @@ child's peak RSS growth during the prefill — the high-water mark is reset just
 
     latent cache (it must hold the prompt) + (3 x heads + 4) x 4 bytes x mask budget + 16 MiB (SLACK)
 
-The scheduler shrinks a prompt's chunks so that a step's mask stays under the budget (runtime/generation/scheduler.py,
+The scheduler shrinks a prompt's chunks so that a step's mask stays under the budget (runtime/generation/limits.py,
 MASK_BUDGET elements); a step's attention holds a few float32 tensors of heads x mask elements (scores,
 exponentials, probabilities) and the mask itself. So the working memory of a prefill is the same for 8k tokens
 as for 80k; only the cache grows, by what the prompt itself takes.
@@ -22,6 +22,7 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+from k2trt.args import at_least
 from k2trt.config import K2Config
 
 MB = 1 << 20
@@ -31,7 +32,8 @@ CHILD = textwrap.dedent("""
     import json, sys, time
     from k2trt.runtime.backends.factory import BackendChoice, open_backend
     from k2trt.runtime.generation.generator import Generator
-    from k2trt.runtime.commands.loader import open_model
+    from k2trt.runtime.generation.limits import MASK_BUDGET, Limits
+    from k2trt.runtime.commands.model import open_model
     from k2trt.runtime.text.tokenizer import NUM_RESERVED_SPECIAL
     from k2trt.tools.stream_bench import proc_status as status
 
@@ -39,9 +41,8 @@ CHILD = textwrap.dedent("""
     ckpt, tok = open_model(model)
     backend = open_backend(BackendChoice("ort", onnx=onnx), ckpt)
     backend.prepare()
-    gen = Generator(backend, ckpt.config)
-    if budget:
-        gen.scheduler.mask_budget = budget
+    limits = Limits.resolve(ckpt.config, backend.limits, mask_budget=budget or MASK_BUDGET)
+    gen = Generator(backend, ckpt.config, limits)
     gen.generate([[5] * 64], 1)  # warm-up: sessions and arenas made
     n = int(sys.argv[4])
     prompt = [(i * 7919) % (ckpt.config.vocab_size - NUM_RESERVED_SPECIAL) for i in range(n)]
@@ -49,7 +50,7 @@ CHILD = textwrap.dedent("""
     open("/proc/self/clear_refs", "w").write("5")  # reset the high-water mark (VmHWM) to the current RSS
     base, t0 = status("VmHWM"), time.perf_counter()
     gen.generate([prompt], 1, on_prefill=lambda r: chunks.append(r.fed))
-    print(json.dumps({"budget": gen.scheduler.mask_budget, "tokens": n, "chunks": len(chunks),
+    print(json.dumps({"budget": gen.limits.mask_budget, "tokens": n, "chunks": len(chunks),
                       "capacity": gen.scheduler.capacity, "growth": status("VmHWM") - base,
                       "seconds": time.perf_counter() - t0}))
 """)
@@ -91,10 +92,11 @@ def _tiny(directory: Path) -> tuple[Path, Path]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m k2trt.tools.prefill_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192], help="prompt lengths (default 2048 8192)")
+    p.add_argument("--tokens", type=at_least(1), nargs="+", default=[2048, 8192],
+                   help="prompt lengths (default 2048 8192)")
     p.add_argument("--model", type=Path, help="checkpoint directory (default: the tiny one, made in a temp dir)")
     p.add_argument("--onnx", type=Path, help="its export directory (float32)")
-    p.add_argument("--mask-budget", type=int, help="mask elements per step (default: the scheduler's)")
+    p.add_argument("--mask-budget", type=at_least(1), help="mask elements per step (default: the scheduler's)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         model, onnx = (args.model, args.onnx) if args.model else _tiny(Path(tmp))

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from k2trt.args import positive_number
 from k2trt.config import K2Config
 from k2trt.checkpoint_writer import ordered_specs, write_checkpoint
 
@@ -91,7 +92,7 @@ def measure(cfg: K2Config, directory: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m k2trt.tools.stream_bench", description=__doc__)
-    p.add_argument("--gb", type=float, default=4.0, help="checkpoint size in GB (default 4)")
+    p.add_argument("--gb", type=positive_number, default=4.0, help="checkpoint size in GB (default 4)")
     p.add_argument("--dir", type=Path, help="where to write it (default: a temporary directory, removed after)")
     args = p.parse_args(argv)
     cfg = streaming_config(args.gb)

@@ -45,8 +45,9 @@ def round_capacity(positions: int) -> int:
 
 @dataclass(frozen=True)
 class BackendLimits:
-    """What a backend was built for; None = no limit beyond the model's. The generator refuses requests outside
-    them before any work and chunks prefill to fit."""
+    """What a backend was built for; None = no limit beyond the model's. runtime/generation/limits.Limits.resolve
+    folds them into the scheduler's limits: requests outside them are refused before any work, prefill chunked
+    to fit."""
 
     max_context: int | None = None  # most positions one sequence may hold (TensorRT: --max-seq)
     max_tokens_per_step: int | None = None  # most new positions in one call (TensorRT: --max-prefill)

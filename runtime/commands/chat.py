@@ -8,8 +8,9 @@ from __future__ import annotations
 import sys
 
 from k2trt.errors import K2Error
-from k2trt.runtime.commands.generate import PrefillProgress, StreamPrinter, add_sampling_arguments, sampling_from, visible_ids
-from k2trt.runtime.commands.loader import add_model_arguments, load, make_generator
+from k2trt.runtime.commands.generate import (PrefillProgress, StreamPrinter, add_sampling_arguments, stop_rules,
+                                             to_sampling_params)
+from k2trt.runtime.commands.model import add_model_arguments, load_model, make_generator
 
 
 def add_arguments(p) -> None:
@@ -21,12 +22,13 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from k2trt.runtime.distributed.world import launched
 
-    params = sampling_from(args)
+    params = to_sampling_params(args)
     if launched():  # under torchrun every rank would read the terminal
         raise K2Error("k2trt chat runs in one process; for pipeline stages use generate or serve (--pipeline)")
-    loaded = load(args, command="chat")
+    loaded = load_model(args, command="chat")
     tok = loaded.tokenizer
-    gen = make_generator(loaded, args.max_context, extra_stop_ids=args.stop_token_id)
+    gen = make_generator(loaded, args.max_context)
+    stops = stop_rules(tok, args)
     base = [{"role": "system", "content": args.system}] if args.system else []
     history = list(base)
     interactive = sys.stdin.isatty()
@@ -52,8 +54,8 @@ def run(args) -> int:
             print(f"k2trt chat: error: {e} (this message was not sent; /reset starts over)", file=sys.stderr)
             continue
         history = turn
-        printer = StreamPrinter(tok.stream_decoder(), args.stop, skip_ids=gen.stop_ids)
-        progress = PrefillProgress([prompt], gen.prefill_chunk, "k2trt chat")
+        printer = StreamPrinter()
+        progress = PrefillProgress([prompt], gen.limits.prefill_chunk, "k2trt chat")
 
         def on_prefill(request) -> None:
             progress(request)
@@ -61,12 +63,11 @@ def run(args) -> int:
                 sys.stdout.write("k2> ")
                 sys.stdout.flush()
 
-        results, timings = gen.generate(
-            [prompt], args.max_new_tokens, params,
-            on_token=lambda s, t: printer.feed(t), on_prefill=on_prefill)
+        results, timings = gen.generate([prompt], args.max_new_tokens, params, stops, on_text=printer,
+                                        on_prefill=on_prefill)
         printer.finish()
-        reply = tok.decode(visible_ids(results[0].token_ids, gen.stop_ids))
-        history.append({"role": "assistant", "content": reply})
+        # the reply as shown: cut at a stop string (generation ended there too), without stop tokens
+        history.append({"role": "assistant", "content": results[0].text})
         t = timings.as_dict()
         print(f"[{len(prompt)} prompt tokens, {len(results[0].token_ids)} new; "
               f"decode {t['decode_tokens_per_s']} tok/s]", file=sys.stderr)

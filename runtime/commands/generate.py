@@ -7,22 +7,31 @@ import argparse
 import json
 import sys
 
-from k2trt.args import seed
+from k2trt.args import at_least, checked, integer
 from k2trt.errors import K2Error
-from k2trt.runtime.commands.loader import (add_model_arguments, add_pipeline_arguments, launch_if_asked, load, make_generator,
-                                  progress_line)
-from k2trt.runtime.generation.sampling import SamplingParams
-from k2trt.runtime.text.text_stream import StopMatcher, TextStream, cut_at_stop
+from k2trt.runtime.commands.model import (add_model_arguments, add_pipeline_arguments, launch_if_asked, load_model,
+                                          make_generator, progress_line)
+from k2trt.runtime.generation.sampling import DEFAULTS, SamplingParams, field_problem
+from k2trt.runtime.text.text_stream import StopRules
+
+
+def _sampling_value(name: str, parse, kind: str):
+    """An argparse type checked by the sampling field's own rule (runtime/generation/sampling.py)."""
+    return checked(parse, lambda value: field_problem(name, value), kind)
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=seed, default=0)
+    p.add_argument("--max-new-tokens", type=at_least(1), default=64)
+    p.add_argument("--temperature", type=_sampling_value("temperature", float, "a number"),
+                   default=DEFAULTS.temperature, help=f"0 = greedy (default {DEFAULTS.temperature:g})")
+    p.add_argument("--top-k", type=_sampling_value("top_k", integer, "an integer"), default=DEFAULTS.top_k,
+                   help=f"0 = off (default {DEFAULTS.top_k})")
+    p.add_argument("--top-p", type=_sampling_value("top_p", float, "a number"), default=DEFAULTS.top_p,
+                   help=f"1 = off (default {DEFAULTS.top_p:g})")
+    p.add_argument("--seed", type=_sampling_value("seed", integer, "an integer"), default=DEFAULTS.seed,
+                   help=f"(default {DEFAULTS.seed})")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID",
+    p.add_argument("--stop-token-id", action="append", type=at_least(0), default=[], metavar="ID",
                    help="also stop at this token id (repeatable), besides [EOS] and <|im_end|>")
 
 
@@ -40,30 +49,29 @@ def check_requests(args) -> None:
         raise K2Error("give --prompt TEXT or --chat TEXT")
 
 
-def sampling_from(args) -> SamplingParams:
-    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    params.validate()
-    return params
+def to_sampling_params(args) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+
+
+def stop_rules(tok, args) -> StopRules:
+    """The model's stop tokens, --stop-token-id and --stop: what ends a sequence and what is never shown."""
+    return StopRules.of(tok, strings=args.stop, stop_ids=args.stop_token_id)
 
 
 class StreamPrinter:
-    """Writes a TextStream to the terminal as tokens arrive: a stop string is cut before any of it is shown, a
-    UTF-8 character is never split, stop tokens are never shown."""
+    """Writes a sequence's text to the terminal as it comes (Generator.generate's on_text): what its TextStream
+    lets it show, so a stop string is cut before any of it is shown, a UTF-8 character is never split and stop
+    tokens are never shown."""
 
-    def __init__(self, decoder, stops: list[str], out=None, skip_ids=()):
-        self.stream = TextStream(decoder, stops, skip_ids)
+    def __init__(self, out=None):
         self.out = out or sys.stdout  # the stdout of now, not of import
 
-    def _write(self, text: str) -> None:
-        if text:
-            self.out.write(text)
-            self.out.flush()
-
-    def feed(self, token: int) -> None:
-        self._write(self.stream.feed(token))
+    def __call__(self, seq: int, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
 
     def finish(self) -> None:
-        self._write(self.stream.finish() + "\n")
+        self(0, "\n")
 
 
 class PrefillProgress:
@@ -86,10 +94,6 @@ class PrefillProgress:
         self.show(done, self.total, f"{100 * done // self.total}% of the prompt tokens")
 
 
-def visible_ids(ids: list[int], stop_ids) -> list[int]:
-    return ids[:-1] if ids and ids[-1] in stop_ids else ids
-
-
 def encode_requests(tok, args) -> list[list[int]]:
     """--prompt texts as they are, --chat texts through the chat template; in the order given."""
     ids = []
@@ -104,41 +108,33 @@ def encode_requests(tok, args) -> list[list[int]]:
 
 def run(args) -> int:
     check_requests(args)
-    params = sampling_from(args)
-    if args.max_new_tokens < 1:
-        raise K2Error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    params = to_sampling_params(args)
     launched = launch_if_asked(args)
     if launched is not None:
         return launched
-    loaded = load(args)
+    loaded = load_model(args)
     if loaded.follower:  # a pipeline rank other than 0: run rank 0's steps until it is done
         loaded.session.follow()
         return 0
     tok = loaded.tokenizer
     prompts = encode_requests(tok, args)
-    gen = make_generator(loaded, args.max_context, extra_stop_ids=args.stop_token_id)
-    matchers = [StopMatcher(tok, args.stop) for _ in prompts]  # one per sequence: each follows its own text
+    gen = make_generator(loaded, args.max_context)
     # one request streams as it goes; a batch prints each sequence when all are done
-    printer = StreamPrinter(tok.stream_decoder(), args.stop, skip_ids=gen.stop_ids) \
-        if len(prompts) == 1 and not args.json else None
-
-    results, timings = gen.generate(prompts, args.max_new_tokens, params,
-                                    on_token=None if printer is None else lambda seq, token: printer.feed(token),
-                                    stop_check=(lambda seq, ids: matchers[seq](ids)) if matchers[0].stops else None,
-                                    on_prefill=PrefillProgress(prompts, gen.prefill_chunk))
+    printer = StreamPrinter() if len(prompts) == 1 and not args.json else None
+    results, timings = gen.generate(prompts, args.max_new_tokens, params, stop_rules(tok, args), on_text=printer,
+                                    on_prefill=PrefillProgress(prompts, gen.limits.prefill_chunk))
     loaded.close()
-    texts = [cut_at_stop(tok.decode(visible_ids(r.token_ids, gen.stop_ids)), args.stop) for r in results]
     t = timings.as_dict()
     if args.json:
         objs = [{"backend": loaded.backend.name, "prompt_token_ids": r.prompt_ids, "token_ids": r.token_ids,
-                 "text": text, "finish_reason": r.finish_reason, "timings": t} for r, text in zip(results, texts)]
+                 "text": r.text, "finish_reason": r.finish_reason, "timings": t} for r in results]
         print(json.dumps(objs[0] if len(objs) == 1 else {"results": objs, "timings": t}, ensure_ascii=False))
         return 0
     if printer is not None:
         printer.finish()
     else:
-        for i, text in enumerate(texts):
-            print(f"--- [{i}] {text}")
+        for i, r in enumerate(results):
+            print(f"--- [{i}] {r.text}")
     new = sum(len(r.token_ids) for r in results)
     reasons = ", ".join(sorted({r.finish_reason for r in results}))
     where = (f"{loaded.backend.name}, {loaded.session.world.size} stage{'s' * (loaded.session.world.size != 1)}"

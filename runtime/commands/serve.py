@@ -2,8 +2,8 @@
 [--max-context N] [--pipeline N]`: an OpenAI-compatible server with continuous batching (runtime/serve/app.py).
 
 The model loads as for generate (one process, or pipeline stages with rank 0 serving HTTP), the scheduler runs in
-a thread of its own (serve/scheduler_thread.py), uvicorn serves. SIGTERM or ^C stops taking requests, lets those in flight finish
-for up to --shutdown-timeout seconds, cancels the rest and exits 0.
+a thread of its own (serve/scheduler_thread.py), uvicorn serves. SIGTERM or ^C stops taking requests, lets those
+in flight finish for up to --shutdown-timeout seconds, cancels the rest and exits 0.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import logging
 import signal
 import sys
 
+from k2trt.args import at_least, port
 from k2trt.errors import K2Error
-from k2trt.runtime.commands.loader import add_model_arguments, add_pipeline_arguments, launch_if_asked, load, make_generator
+from k2trt.runtime.commands.model import add_model_arguments, add_pipeline_arguments, launch_if_asked, load_model
 
 DEFAULT_MAX_BATCH = 16
 
@@ -22,10 +23,10 @@ DEFAULT_MAX_BATCH = 16
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one)")
-    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+    p.add_argument("--port", type=port, default=8000, help="port to listen on (default 8000; 0 picks a free one)")
+    p.add_argument("--max-batch", type=at_least(1), default=DEFAULT_MAX_BATCH,
                    help=f"sequence slots: requests decoded together (default {DEFAULT_MAX_BATCH})")
-    p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429 (default 256)")
+    p.add_argument("--max-queue", type=at_least(1), default=256, help="waiting requests before 429 (default 256)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     p.add_argument("--max-body", type=int, default=4 << 20, help="largest request body in bytes (default 4 MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
@@ -35,10 +36,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    if args.max_batch < 1 or args.max_queue < 1:
-        raise K2Error("--max-batch and --max-queue must be >= 1")
-    if not 0 <= args.port < 65536:
-        raise K2Error(f"--port must be in 0..65535, got {args.port}")
     try:
         import uvicorn  # noqa: F401
         import fastapi  # noqa: F401
@@ -47,7 +44,7 @@ def run(args) -> int:
     launched = launch_if_asked(args)
     if launched is not None:
         return launched
-    loaded = load(args, command="serve")
+    loaded = load_model(args, command="serve")
     if loaded.follower:
         loaded.session.follow()
         return 0
@@ -57,29 +54,34 @@ def run(args) -> int:
         loaded.close()
 
 
-def serve(args, loaded) -> int:
+def make_server(args, loaded):
+    """The uvicorn server of `k2trt serve` for these arguments over this model, and its scheduler thread
+    (started): what `serve` runs, and what a test runs in a thread of its own."""
     import uvicorn
 
-    from k2trt.runtime.serve.app import ServeConfig, create_app
-    from k2trt.runtime.serve.scheduler_thread import SchedulerThread
-
-    # the generator's scheduler, limits and stop tokens, driven by the engine's thread instead of generate()
-    gen = make_generator(loaded, args.max_context, max_batch=args.max_batch)
-    scheduler, max_context = gen.scheduler, gen.max_context
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
     from k2trt.runtime.distributed.world import DEFAULT_TIMEOUT_S
+    from k2trt.runtime.serve.app import create_app
+    from k2trt.runtime.serve.scheduler_thread import SchedulerThread
+    from k2trt.runtime.serve.serving import ServeConfig, Serving
 
+    scheduler = loaded.scheduler(loaded.limits(args.max_context, args.max_batch))
     server_box = []
     keepalive = min(10.0, (args.dist_timeout or DEFAULT_TIMEOUT_S) / 4)  # idle pipeline stages must hear from us
-    engine = SchedulerThread(scheduler, max_waiting=args.max_queue, keepalive_s=keepalive,
-                    on_error=lambda e: server_box and setattr(server_box[0], "should_exit", True)).start()
+    scheduler_thread = SchedulerThread(scheduler, max_waiting=args.max_queue, keepalive_s=keepalive,
+                                       on_error=lambda e: server_box and setattr(server_box[0], "should_exit", True))
     name = args.served_model_name or str(args.model)
-    app = create_app(engine, loaded.tokenizer, ServeConfig(name, max_context, args.max_body))
+    app = create_app(Serving(scheduler_thread.start(), loaded.tokenizer,
+                             ServeConfig(name, scheduler.limits.max_context, args.max_body)))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
-    server = uvicorn.Server(config)
-    server_box.append(server)
+    server_box.append(uvicorn.Server(config))
+    return server_box[0], scheduler_thread
+
+
+def serve(args, loaded) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    server, scheduler_thread = make_server(args, loaded)
     # uvicorn stops gracefully on SIGINT/SIGTERM, then raises the signal again for the handlers it found: ours
     # note it, so that a requested stop ends with status 0 (SIGTERM) or 130 (^C) instead of dying by the signal.
     received: list[int] = []
@@ -88,7 +90,7 @@ def serve(args, loaded) -> int:
     try:
         server.run()
     finally:
-        engine.stop()
-    if engine.error is not None:
-        raise K2Error(f"the engine stopped: {engine.error}")
+        scheduler_thread.stop()
+    if scheduler_thread.error is not None:
+        raise K2Error(f"the scheduler stopped: {scheduler_thread.error}")
     return 130 if signal.SIGINT in received else 0

@@ -204,7 +204,7 @@ def place_stages(items: list[Item], devices: int, device_memory: int, reserve: i
     """The split over `devices` stages (or the explicit block counts per stage), fitting or not: `Placement.fits`."""
     n_blocks = len(items)
     if devices < 1:
-        raise K2Error(f"--devices must be >= 1, got {devices}")
+        raise K2Error(f"a placement needs at least one device, got {devices}")
     if devices > n_blocks:
         raise K2Error(f"{devices} devices for {n_blocks} blocks: every stage needs at least one block")
     if counts is not None:

@@ -16,7 +16,7 @@ import torch
 from k2trt.config import K2Config
 from k2trt.runtime.backends.contract import Backend
 from k2trt.runtime.generation.cache import LatentCache
-from k2trt.runtime.generation.sampling import Sampler
+from k2trt.runtime.generation.sampling import Sampler, sample_rows
 from k2trt.runtime.generation.step import Admit, Move, Release, RopeTable, StepPlan, StepTensors, Swap, step_tensors
 
 
@@ -80,7 +80,7 @@ class StageExecutor:
         return hidden
 
     def sample(self, plan: StepPlan, st: StepTensors, hidden: torch.Tensor) -> list[int | None]:
-        """The head on each sampling sequence's last real position, then its own sampler."""
+        """The head on each sampling sequence's last real position, then each row's own sampler."""
         rows = [b for b in range(plan.batch) if plan.sample[b]]
         out: list[int | None] = [None] * plan.batch
         if not rows:
@@ -90,18 +90,8 @@ class StageExecutor:
         t0 = time.perf_counter()
         logits = self.backend.head(last)[:, -1]
         self.clock.backend_s += time.perf_counter() - t0
-        samplers = [self.samplers[plan.first + b] for b in rows]
-        greedy = [r for r, s in enumerate(samplers) if s.params.greedy]
-        if greedy:  # greedy rows draw nothing: one argmax for all of them picks what each sampler would
-            rows_of = logits if len(greedy) == len(samplers) else logits[greedy]  # all greedy: no gather copy
-            picked = rows_of.float().argmax(dim=-1).tolist()
-            for r, tok in zip(greedy, picked):
-                out[rows[r]] = tok
-        drawn = [r for r, s in enumerate(samplers) if not s.params.greedy]
-        if drawn:  # one copy to the host for all of them (each sampler would copy its own row: a sync each)
-            host = logits[drawn].float().cpu()
-            for k, r in enumerate(drawn):
-                out[rows[r]] = int(samplers[r](host[k:k + 1])[0])
+        for b, tok in zip(rows, sample_rows([self.samplers[plan.first + b] for b in rows], logits)):
+            out[b] = tok
         return out
 
     def run(self, plan: StepPlan) -> list[int | None]:

@@ -1,7 +1,8 @@
 """Continuous batching: requests come and go, and every step runs the ones that are ready.
 
-The scheduler owns the requests and decides each step (runtime/step.StepPlan); an executor runs it, in this
-process (runtime/executor.StageExecutor) or across pipeline stages (runtime/distributed/). One iteration:
+The scheduler owns the requests and decides each step (step.StepPlan) within its limits (limits.Limits); an
+executor runs it, in this process (executor.StageExecutor) or across pipeline stages (runtime/distributed/). One
+iteration:
 
   1. admit waiting requests into free slots (they start prefilling);
   2. one prefill step over the prefilling requests: each feeds its next prompt chunk, and those whose prompt is
@@ -11,6 +12,9 @@ process (runtime/executor.StageExecutor) or across pipeline stages (runtime/dist
 Slots [0, n_decoding) hold the decoding requests and the prefilling ones follow, so both steps are contiguous slot
 ranges. A finished or cancelled request frees its slot at once; the last request of its region moves into the
 hole. A static batch (`k2trt generate`) is the same loop with every request submitted at the start.
+
+Each request brings its own stop rules (runtime/text/text_stream.StopRules): its stop ids end it, and its text
+stream, fed every kept token once, ends it at a stop string and gives the text to show.
 """
 
 from __future__ import annotations
@@ -22,20 +26,15 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from k2trt.config import K2Config
-from k2trt.errors import K2Error
 from k2trt.runtime.generation.cache import bucket
-from k2trt.runtime.generation.sampling import SamplingParams
+from k2trt.runtime.generation.limits import ContextTooLong, Limits, RequestError
+from k2trt.runtime.generation.sampling import DEFAULTS, SamplingParams
 from k2trt.runtime.generation.step import DECODE, PREFILL, Admit, Move, Release, SlotOp, StepPlan, Swap
 from k2trt.runtime.generation.timings import Timings
+from k2trt.runtime.text.text_stream import NO_STOPS, StopRules, TextStream
 
 FINISH_LENGTH, FINISH_STOP_TOKEN, FINISH_STOP_STRING, FINISH_CANCELLED = "length", "stop_token", "stop_string", \
     "cancelled"
-# a prefill step's mask is B x T x (P + T), P the cache capacity the step runs at (TensorRT's attention spans as
-# much; ONNX Runtime skips the P part when no prompt has cached positions, but the mask is built that wide):
-# chunks shrink so it stays under this many elements. P is the capacity every running request needs, not only
-# the prefilling ones: a long conversation decoding beside fresh prompts widens their step too.
-MASK_BUDGET = 1 << 22
-DEFAULT_PREFILL_CHUNK = 512
 
 _ids = itertools.count()
 
@@ -44,13 +43,12 @@ _ids = itertools.count()
 class Request:
     prompt: list[int]
     max_new_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop_check: Callable[[list[int]], bool] | None = None  # True ends the request (stop strings)
-    on_token: Callable[["Request", int], None] | None = None  # each kept token, as it is sampled
-    on_finish: Callable[["Request"], None] | None = None
+    sampling: SamplingParams = DEFAULTS
+    stops: StopRules = NO_STOPS  # its stop ids and strings, and how its text is decoded
+    # each kept token as it is sampled, with the text it lets the display show now (often "", never a stop token)
+    on_token: Callable[["Request", int, str], None] | None = None
+    on_finish: Callable[["Request", str], None] | None = None  # its end, with the last of its text (held till now)
     on_prefill: Callable[["Request"], None] | None = None  # after each prompt chunk (progress of long prompts)
-    stop_ids: tuple[int, ...] = ()  # this request's own stop tokens, besides the scheduler's
-    ignore_eos: bool = False  # only the request's own stop tokens end it (benchmarks: fixed lengths)
     id: int = field(default_factory=lambda: next(_ids))
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -61,6 +59,10 @@ class Request:
     submitted_at: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     finished_at: float | None = None
+    text: TextStream | None = field(init=False)  # None without a tokenizer (token ids only)
+
+    def __post_init__(self):
+        self.text = self.stops.stream()
 
     @property
     def done(self) -> bool:
@@ -119,14 +121,8 @@ class SlotLayout:
 
 
 class Scheduler:
-    def __init__(self, executor, cfg: K2Config, *, max_slots: int, max_context: int,
-                 stop_ids: tuple[int, ...] = (), prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 mask_budget: int = MASK_BUDGET):
-        if max_slots < 1 or prefill_chunk < 1:
-            raise K2Error(f"slots and prefill chunk must be >= 1, got {max_slots} and {prefill_chunk}")
-        self.executor, self.cfg = executor, cfg
-        self.max_slots, self.max_context, self.stop_ids = max_slots, max_context, tuple(stop_ids)
-        self.prefill_chunk, self.mask_budget = prefill_chunk, mask_budget
+    def __init__(self, executor, cfg: K2Config, limits: Limits):
+        self.executor, self.cfg, self.limits = executor, cfg, limits
         self.waiting: deque[Request] = deque()
         self.layout = SlotLayout()
         self.rows = self.capacity = 0
@@ -135,18 +131,17 @@ class Scheduler:
 
     # ---- requests ------------------------------------------------------------------------------------
     def check(self, req: Request, name: str = "the prompt") -> None:
-        """Every error a request can have, raised before any work."""
+        """Every error a request can have, raised before any work (RequestError; ContextTooLong past the context)."""
         if req.max_new_tokens < 1:
-            raise K2Error(f"max new tokens must be >= 1, got {req.max_new_tokens}")
+            raise RequestError(f"max new tokens must be >= 1, got {req.max_new_tokens}", "max_new_tokens")
         if not req.prompt:
-            raise K2Error(f"{name} is empty")
+            raise RequestError(f"{name} is empty", "prompt")
         bad = [t for t in req.prompt if not 0 <= t < self.cfg.vocab_size]
         if bad:
-            raise K2Error(f"{name} has token id {bad[0]} outside the vocabulary (size {self.cfg.vocab_size})")
-        if len(req.prompt) + req.max_new_tokens > self.max_context:
-            raise K2Error(f"{name} has {len(req.prompt)} tokens; with {req.max_new_tokens} new tokens that "
-                          f"exceeds the context limit of {self.max_context}")
-        req.sampling.validate()
+            raise RequestError(f"{name} has token id {bad[0]} outside the vocabulary (size {self.cfg.vocab_size})",
+                               "prompt")
+        if len(req.prompt) + req.max_new_tokens > self.limits.max_context:
+            raise ContextTooLong(name, len(req.prompt), req.max_new_tokens, self.limits.max_context)
 
     def submit(self, req: Request) -> Request:
         """Queue a request its submitter has check()ed: generate checks every prompt before it submits any, the
@@ -188,8 +183,12 @@ class Scheduler:
             self._finish(req, FINISH_CANCELLED)
 
     def _admit(self) -> None:
-        while self.waiting and len(self.layout) < self.max_slots:
+        while self.waiting and self._has_room(self.waiting[0]):
             self._ops += self.layout.add(self.waiting.popleft())
+
+    def _has_room(self, req: Request) -> bool:
+        """Whether the next waiting request may take a slot now (a paged cache would also ask for its pages)."""
+        return len(self.layout) < self.limits.max_batch
 
     def _prefill_step(self, reqs: list[Request]) -> None:
         chunk = self._chunk_size(reqs)
@@ -228,22 +227,24 @@ class Scheduler:
         """The capacity a step writing up to `step_needs` positions runs at: enough for every running request and
         the step's writes, bucketed; shrunk only when far too big, since each change copies the cache."""
         needed = max([step_needs] + [r.cached for r in self.layout.order])
-        return self.capacity if self.capacity // 4 < needed <= self.capacity else bucket(needed, self.max_context)
+        if self.capacity // 4 < needed <= self.capacity:
+            return self.capacity
+        return bucket(needed, self.limits.max_context)
 
     def _size_cache(self, step_needs: int) -> None:
         """Rows and capacity for the next step."""
         self.capacity = self._capacity_for(step_needs)
         rows = len(self.layout)
         if not self.rows // 4 < rows <= self.rows:
-            self.rows = bucket(rows, self.max_slots, minimum=1)
+            self.rows = bucket(rows, self.limits.max_batch, minimum=1)
 
     def _chunk_size(self, reqs: list[Request]) -> int:
         """Prompt tokens per request in this step: the chunk, halved while the step's mask would exceed the budget
         (it spans the cache's capacity, so long prompts and long neighbours make smaller chunks)."""
-        chunk = self.prefill_chunk
+        chunk = self.limits.prefill_chunk
         while chunk > 16:
             need = max(r.cached + min(chunk, len(r.prompt) - r.fed) for r in reqs)
-            if len(reqs) * chunk * (self._capacity_for(need) + chunk) <= self.mask_budget:
+            if len(reqs) * chunk * (self._capacity_for(need) + chunk) <= self.limits.mask_budget:
                 break
             chunk //= 2
         return chunk
@@ -255,11 +256,12 @@ class Scheduler:
             req.first_token_at = now
         req.token_ids.append(tok)
         req.pending = tok
+        shown = req.text.feed(tok) if req.text is not None else ""
         if req.on_token:
-            req.on_token(req, tok)
-        if (tok in self.stop_ids and not req.ignore_eos) or tok in req.stop_ids:
+            req.on_token(req, tok, shown)
+        if tok in req.stops.ids:
             self._finish(req, FINISH_STOP_TOKEN)
-        elif req.stop_check is not None and req.stop_check(req.token_ids):
+        elif req.text is not None and req.text.stopped:
             self._finish(req, FINISH_STOP_STRING)
         elif len(req.token_ids) >= req.max_new_tokens:
             self._finish(req, FINISH_LENGTH)
@@ -270,5 +272,6 @@ class Scheduler:
         req.finish_reason, req.finished_at = reason, time.monotonic()
         if any(r is req for r in self.layout.order):
             self._ops += self.layout.remove(req)
+        rest = req.text.finish() if req.text is not None else ""
         if req.on_finish:
-            req.on_finish(req)
+            req.on_finish(req, rest)

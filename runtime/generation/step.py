@@ -56,7 +56,7 @@ class StepPlan:
     starts: list[int]  # positions already in each sequence's cache
     sample: list[bool]  # whether to sample a token after this step (not for a prompt chunk that is not its last)
     rows: int  # cache slots allocated for this step (every stage resizes to rows x capacity)
-    capacity: int  # positions per slot
+    capacity: int  # positions per slot: the P of the step's mask and graphs (limits.py: max_context bounds it)
     ops: list[SlotOp] = field(default_factory=list)  # slot bookkeeping applied, in order, before the step
 
     @property

@@ -1,4 +1,5 @@
-"""The HTTP server: OpenAI's /v1/chat/completions, /v1/completions and /v1/models, plus /health and /metrics.
+"""The HTTP server: OpenAI's /v1/chat/completions, /v1/completions and /v1/models, plus /health and /metrics —
+the routes (routes.py) over a serving object (serving.py), with the errors and limits every route shares.
 
 Every error is OpenAI's JSON error object with the right status: 400 for a bad field (naming it) or a prompt past
 the context, 404 for an unknown model or path, 413 for a body over the limit, 429 with Retry-After when too many
@@ -8,34 +9,15 @@ before the next step.
 
 from __future__ import annotations
 
-import asyncio
-import json
-import random
-import time
-from dataclasses import dataclass
-
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from k2trt.errors import K2Error
-from k2trt.runtime.generation.sampling import MAX_SEED, SamplingParams
-from k2trt.runtime.generation.scheduler import Request as GenRequest
 from k2trt.runtime.serve import protocol
-from k2trt.runtime.serve.scheduler_thread import END, Handle, QueueFull, SchedulerThread, ShuttingDown
-from k2trt.runtime.serve.metrics import LOG, Metrics
-from k2trt.runtime.text.text_stream import StopMatcher, TextStream
-
-DISCONNECT_POLL_S = 0.25
-
-
-@dataclass
-class ServeConfig:
-    model_name: str  # what /v1/models lists and requests must name
-    max_context: int
-    max_body_bytes: int = 4 << 20
-    retry_after_s: int = 1
+from k2trt.runtime.serve.metrics import LOG
+from k2trt.runtime.serve.routes import router
+from k2trt.runtime.serve.serving import Serving
 
 
 def _error(e: protocol.APIError) -> JSONResponse:
@@ -82,256 +64,47 @@ class _TooBig(Exception):
     pass
 
 
-def create_app(engine: SchedulerThread, tokenizer, config: ServeConfig) -> FastAPI:
+def create_app(serving: Serving) -> FastAPI:
     app = FastAPI(title="k2trt", docs_url=None, redoc_url=None)
-    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
-    metrics = Metrics(engine)
-    engine.on_done = metrics.generation_done
-    app.state.engine, app.state.metrics = engine, metrics
-
-    # ---- errors as OpenAI's error objects --------------------------------------------------------------
-    @app.exception_handler(protocol.APIError)
-    async def _api_error(request, e: protocol.APIError):
-        return _error(e)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request, e: RequestValidationError):
-        first = e.errors()[0]
-        if first.get("type") == "json_invalid":
-            return _error(protocol.APIError(400, f"the body is not valid JSON ({first.get('msg')})", param="body"))
-        field = _field(first.get("loc", ()))
-        msg = str(first.get("msg", "invalid")).removeprefix("Value error, ")
-        if field == "body" and "not supported" in msg:
-            field = msg.split()[0]
-        return _error(protocol.APIError(400, f"{field}: {msg}", param=field))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request, e: StarletteHTTPException):
-        return _error(protocol.APIError(e.status_code, str(e.detail), type_="invalid_request_error"))
-
-    @app.exception_handler(Exception)
-    async def _internal(request, e: Exception):
-        LOG.exception("internal error on %s", request.url.path)
-        return _error(protocol.APIError(500, f"internal error: {type(e).__name__}", type_="server_error"))
+    app.state.serving = serving
+    app.add_middleware(BodyLimit, limit=serving.config.max_body_bytes)
+    app.add_exception_handler(protocol.APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(StarletteHTTPException, _http)
+    app.add_exception_handler(Exception, _internal)
 
     @app.middleware("http")
     async def _count(request: Request, call_next):
         response = await call_next(request)
         if request.url.path.startswith("/v1/"):
-            metrics.request_done(request.url.path, response.status_code)
+            serving.metrics.request_done(request.url.path, response.status_code)
         return response
 
-    # ---- the routes ------------------------------------------------------------------------------------
-    @app.get("/health")
-    async def health():
-        if engine.error is not None:
-            return _error(protocol.APIError(503, f"the engine stopped: {engine.error}", type_="server_error"))
-        return {"status": "ok"}
-
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [_model_card(config)]}
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: protocol.ChatCompletionRequest, request: Request):
-        _check_model(body.model, config)
-        # rendering and tokenizing a 4 MiB body takes a while: off the event loop, which streams every request
-        prompt = await asyncio.to_thread(chat_prompt, tokenizer, body.messages)
-        return await _generate(request, body, [prompt], chat=True)
-
-    @app.post("/v1/completions")
-    async def completions(body: protocol.CompletionRequest, request: Request):
-        _check_model(body.model, config)
-        prompts = await asyncio.to_thread(
-            lambda: [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()])
-        return await _generate(request, body, prompts, chat=False)
-
-    # ---- generation -------------------------------------------------------------------------------------
-    async def _generate(request: Request, body, prompts: list[list[int]], chat: bool):
-        loop = asyncio.get_running_loop()
-        t0 = time.monotonic()
-        handles: list[tuple[int, int, Handle]] = []  # (prompt index, choice index, handle)
-        try:
-            for pi, prompt in enumerate(prompts):
-                if not prompt:
-                    raise protocol.APIError(400, "prompt: must not be empty", param="prompt")
-                max_new = body.new_tokens(config.max_context - len(prompt))
-                if len(prompt) + max(1, max_new) > config.max_context:
-                    raise protocol.APIError(400, f"This model's maximum context length is {config.max_context} tokens. "
-                                          f"However, you requested {len(prompt) + max_new} tokens ({len(prompt)} "
-                                          f"in the prompt, {max_new} in the completion).",
-                                     param="messages" if chat else "prompt", code="context_length_exceeded")
-                for c in range(body.n):
-                    handles.append((pi, len(handles), engine.submit(_request(body, prompt, max_new, c, tokenizer),
-                                                                    loop)))
-        except QueueFull as e:
-            _cancel(handles)
-            raise protocol.APIError(429, f"too many requests are waiting ({e}); retry later", type_="rate_limit_error",
-                             headers={"Retry-After": str(config.retry_after_s)}) from None
-        except ShuttingDown as e:
-            _cancel(handles)
-            raise protocol.APIError(503, str(e), type_="server_error", headers={"Retry-After": "5"}) from None
-        except K2Error as e:
-            _cancel(handles)
-            raise protocol.APIError(400, str(e)) from None
-        except protocol.APIError:
-            _cancel(handles)
-            raise
-        kind = "chat.completion" if chat else "text_completion"
-        rid = protocol.new_id("chatcmpl" if chat else "cmpl")
-        stops = body.stops()
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream(request, handles, rid, kind, body.model, stops, chat, include_usage, t0),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        streams = _text_streams(handles, stops)
-        texts = {i: "" for _, i, _ in handles}
-        try:
-            for _, i, h in handles:
-                async for tok in _tokens(request, h):
-                    texts[i] += streams[i].feed(tok)
-                texts[i] += streams[i].finish()
-        finally:
-            _cancel(handles)
-        choices = [_choice(i, texts[i], h.request, chat) for _, i, h in handles]
-        _finish_log(handles, rid, t0, chat)
-        return {"id": rid, "object": kind, "created": protocol.now(), "model": body.model, "choices": choices,
-                "usage": _usage(handles)}
-
-    def _text_streams(handles, stops: list[str]) -> dict[int, TextStream]:
-        """Each choice's text as its tokens arrive; stop tokens (the model's and the request's) are never shown."""
-        return {i: TextStream(tokenizer.stream_decoder(), stops, engine.scheduler.stop_ids + h.request.stop_ids)
-                for _, i, h in handles}
-
-    async def _tokens(request: Request, handle: Handle):
-        """A request's tokens as they come; cancels it if the client goes away."""
-        while True:
-            try:
-                item = await asyncio.wait_for(handle.tokens.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    handle.cancel()
-                    return
-                continue
-            if item is END:
-                if engine.error is not None:
-                    raise protocol.APIError(500, f"the engine stopped: {engine.error}", type_="server_error")
-                return
-            yield item
-
-    async def _stream(request, handles, rid, kind, model, stops, chat, include_usage, t0):
-        created = protocol.now()
-        streams = _text_streams(handles, stops)
-
-        def chunk(choices, usage=None):
-            d = {"id": rid, "object": f"{kind}.chunk" if chat else kind, "created": created, "model": model,
-                 "choices": choices}
-            if include_usage:
-                d["usage"] = usage
-            return f"data: {json.dumps(d, ensure_ascii=False)}\n\n"
-
-        try:
-            if chat:
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                             for _, i, _ in handles])
-            queues = {i: _tokens(request, h) for _, i, h in handles}
-            # interleave the choices as their tokens arrive
-            pending = {asyncio.ensure_future(anext(q)): i for i, q in queues.items()}
-            by_index = {i: h for _, i, h in handles}
-            while pending:
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for fut in done:
-                    i = pending.pop(fut)
-                    try:
-                        tok = fut.result()
-                    except StopAsyncIteration:
-                        tail = streams[i].finish()
-                        req = by_index[i].request
-                        if req.finish_reason is None or req.finish_reason == "cancelled":
-                            continue  # the client went away
-                        yield chunk([_delta(i, tail, protocol.finish_reason(req.finish_reason), chat)])
-                        continue
-                    text = streams[i].feed(tok)
-                    if text:
-                        yield chunk([_delta(i, text, None, chat)])
-                    pending[asyncio.ensure_future(anext(queues[i]))] = i
-            if include_usage:
-                yield chunk([], _usage(handles))
-            yield "data: [DONE]\n\n"
-            _finish_log(handles, rid, t0, chat)
-        finally:
-            _cancel(handles)
-
-    def _finish_log(handles, rid, t0, chat) -> None:
-        req = handles[0][2].request
-        ttft = (req.first_token_at - req.submitted_at) if req.first_token_at else None
-        LOG.info("%s %s prompt=%d completion=%d choices=%d finish=%s ttft=%s total=%.3fs", rid,
-                 "chat" if chat else "completion", len(req.prompt),
-                 sum(len(h.request.token_ids) for _, _, h in handles),
-                 len(handles), ",".join(sorted({str(h.request.finish_reason) for _, _, h in handles})),
-                 "-" if ttft is None else f"{ttft:.3f}s", time.monotonic() - t0)
-
+    app.include_router(router)
     return app
 
 
-def _model_card(config: ServeConfig) -> dict:
-    return {"id": config.model_name, "object": "model", "created": protocol.now(), "owned_by": "k2trt",
-            "max_model_len": config.max_context}
+# ---- errors as OpenAI's error objects --------------------------------------------------------------------
+
+async def _api_error(request, e: protocol.APIError):
+    return _error(e)
 
 
-def _check_model(name: str, config: ServeConfig) -> None:
-    if name != config.model_name:
-        raise protocol.APIError(404, f"The model `{name}` does not exist (this server serves `{config.model_name}`)",
-                         param="model", code="model_not_found")
+async def _invalid(request, e: RequestValidationError):
+    first = e.errors()[0]
+    if first.get("type") == "json_invalid":
+        return _error(protocol.APIError(400, f"the body is not valid JSON ({first.get('msg')})", param="body"))
+    field = _field(first.get("loc", ()))
+    msg = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+    if field == "body" and "not supported" in msg:
+        field = msg.split()[0]
+    return _error(protocol.APIError(400, f"{field}: {msg}", param=field))
 
 
-def chat_prompt(tokenizer, messages: list[protocol.ChatMessage]) -> list[int]:
-    """The conversation through the checkpoint's chat template (runtime/text/messages.py: message contents stay text,
-    only the template's markers are special tokens). OpenAI's "developer" role is its system role."""
-    try:
-        return tokenizer.encode_chat([{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
-                                       **({"name": m.name} if m.name else {})} for m in messages])
-    except K2Error as e:
-        raise protocol.APIError(400, str(e), param="messages") from None
+async def _http(request, e: StarletteHTTPException):
+    return _error(protocol.APIError(e.status_code, str(e.detail), type_="invalid_request_error"))
 
 
-def _request(body, prompt: list[int], max_new: int, choice: int, tokenizer) -> GenRequest:
-    seed = body.seed + choice if body.seed is not None else random.randrange(MAX_SEED)
-    temperature = 1.0 if body.temperature is None else body.temperature  # OpenAI's default
-    params = SamplingParams(temperature=temperature, top_k=body.top_k or 0,
-                            top_p=1.0 if body.top_p is None else body.top_p, seed=seed % (MAX_SEED + 1))
-    stops = body.stops()
-    return GenRequest(list(prompt), max_new, params, stop_check=StopMatcher(tokenizer, stops) if stops else None,
-                      stop_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
-
-
-def _cancel(handles) -> None:
-    for _, _, h in handles:
-        if not h.request.done:
-            h.cancel()
-
-
-def _choice(index: int, text: str, req: GenRequest, chat: bool) -> dict:
-    reason = protocol.finish_reason(req.finish_reason)
-    if chat:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                "logprobs": None}
-    return {"index": index, "text": text, "finish_reason": reason, "logprobs": None}
-
-
-def _delta(index: int, text: str, reason, chat: bool) -> dict:
-    if chat:
-        return {"index": index, "delta": {"content": text} if text else {}, "finish_reason": reason}
-    return {"index": index, "text": text, "finish_reason": reason, "logprobs": None}
-
-
-def _usage(handles) -> dict:
-    prompts = {}
-    for pi, _, h in handles:
-        prompts[pi] = len(h.request.prompt)
-    return protocol.usage(sum(prompts.values()), sum(len(h.request.token_ids) for _, _, h in handles))
-
+async def _internal(request, e: Exception):
+    LOG.exception("internal error on %s", request.url.path)
+    return _error(protocol.APIError(500, f"internal error: {type(e).__name__}", type_="server_error"))

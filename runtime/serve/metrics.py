@@ -1,7 +1,7 @@
 """`/metrics` in Prometheus' text format, and one log line per request.
 
 Counters and histograms are kept by prometheus_client in a registry of the server's own; running and waiting
-requests are read from the engine at scrape time. Names follow vLLM's where one exists (k2trt: prefix)."""
+requests are read from the scheduler thread at scrape time. Names follow vLLM's where one exists (k2trt: prefix)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ _LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 6
 
 
 class Metrics:
-    def __init__(self, engine):
+    def __init__(self, scheduler_thread):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("k2trt:requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
@@ -33,8 +33,8 @@ class Metrics:
                              registry=r)
         running = Gauge("k2trt:num_requests_running", "requests holding a sequence slot", registry=r)
         waiting = Gauge("k2trt:num_requests_waiting", "requests waiting for a slot", registry=r)
-        running.set_function(lambda: engine.running)
-        waiting.set_function(lambda: engine.waiting)
+        running.set_function(lambda: scheduler_thread.running)
+        waiting.set_function(lambda: scheduler_thread.waiting)
 
     def request_done(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()

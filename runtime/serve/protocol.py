@@ -7,18 +7,20 @@ with a 400 naming them rather than silently ignored; unknown fields are ignored,
 
 from __future__ import annotations
 
-import math
+import random
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from k2trt.runtime.generation.sampling import MAX_SEED
+from k2trt.runtime.generation.sampling import API_DEFAULTS, MAX_SEED, SamplingParams, field_problem
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1000  # each: stop strings are searched at every token
+MAX_TEMPERATURE = 2.0  # OpenAI's API takes 0..2
 
 
 class APIError(Exception):
@@ -46,10 +48,11 @@ class _Sampling(BaseModel):
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
-    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    # None: the API's default (sampling.API_DEFAULTS); the ranges are SamplingParams' own (sampling.field_problem)
+    temperature: float | None = Field(default=None, le=MAX_TEMPERATURE)
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -61,11 +64,12 @@ class _Sampling(BaseModel):
     echo: Any = None
     best_of: Any = None
 
-    @field_validator("temperature", "top_p")
+    @field_validator("temperature", "top_p", "top_k", "seed")
     @classmethod
-    def _finite(cls, v):
-        if v is not None and not math.isfinite(v):
-            raise ValueError("must be a finite number")
+    def _sampling_value(cls, v, info: ValidationInfo):
+        problem = None if v is None else field_problem(info.field_name, v)
+        if problem:
+            raise ValueError(problem)
         return v
 
     @field_validator("stop")
@@ -89,6 +93,13 @@ class _Sampling(BaseModel):
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def to_sampling_params(self, choice: int = 0) -> SamplingParams:
+        """The sampling of choice `choice` (of n): the fields this request gives, the API's defaults for the rest;
+        choice i draws with seed + i, and a request without a seed gets a random one for each choice."""
+        seed = (self.seed + choice) % (MAX_SEED + 1) if self.seed is not None else random.randrange(MAX_SEED + 1)
+        given = {k: v for k in ("temperature", "top_k", "top_p") if (v := getattr(self, k)) is not None}
+        return replace(API_DEFAULTS, **given, seed=seed)
 
 
 MEDIA_PARTS = ("image", "input", "video", "audio")  # image_url, input_image, input_audio, video_url, ...

@@ -1,8 +1,9 @@
 """The scheduler in a thread of its own, fed by the HTTP handlers.
 
-Handlers (asyncio) submit requests into a thread-safe inbox and read their tokens from an asyncio queue each; the
-engine thread moves the inbox into the scheduler at every iteration, runs one iteration, and pushes each token
-(and the end) to its request's queue with `call_soon_threadsafe`. Cancelling sets a flag the scheduler honours at
+Handlers (asyncio) submit requests into a thread-safe inbox and read their text from an asyncio queue each; the
+scheduler's thread moves the inbox into the scheduler at every iteration, runs one iteration, and pushes the text
+each token shows (decoded once, by the request's TextStream, in this thread) and then the end to its request's
+queue with `call_soon_threadsafe`. Cancelling sets a flag the scheduler honours at
 its next iteration, so the slot is free before the next step. A bounded queue of waiting requests makes the
 server refuse (429) instead of growing without bound.
 """
@@ -27,15 +28,19 @@ class ShuttingDown(K2Error):
     """The server is stopping (HTTP 503)."""
 
 
-END = None  # the last item of a request's queue
+@dataclass(frozen=True)
+class End:
+    """The last item of a request's queue: the last of its text (held back until the end)."""
+    text: str = ""
 
 
 @dataclass(eq=False)
 class Handle:
-    """One submitted request, as its handler sees it: its tokens arrive in `tokens`, then END."""
+    """One submitted request, as its handler sees it: the text of each token arrives in `texts` (often ""), then
+    an End."""
 
     request: Request
-    tokens: asyncio.Queue
+    texts: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     token_times: list[float] = field(default_factory=list)
 
@@ -47,18 +52,18 @@ class SchedulerThread:
     def __init__(self, scheduler: Scheduler, max_waiting: int = 256, idle_wait_s: float = 0.02,
                  on_error=None, keepalive_s: float = 10.0):
         self.scheduler = scheduler
-        # called (engine thread) with each handle whose request finished, however it ended; the app's metrics set it
+        # called (in this thread) with each handle whose request finished, however it ended; the metrics set it
         self.on_done = None
         self.max_waiting = max_waiting
         self.idle_wait_s = idle_wait_s
-        self.keepalive_s = keepalive_s  # an idle engine still steps this often (pipeline stages wait with a timeout)
-        self.on_error = on_error  # called with the exception if the engine thread dies
+        self.keepalive_s = keepalive_s  # an idle scheduler still steps this often (pipeline stages wait with a timeout)
+        self.on_error = on_error  # called with the exception if the thread dies
         self._inbox: queue.SimpleQueue[Handle] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._stopping = False
         self._handles: dict[int, Handle] = {}
-        self._thread = threading.Thread(target=self._loop, name="k2trt-engine", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="k2trt-scheduler", daemon=True)
         self.error: BaseException | None = None
 
     # ---- the handlers' side ----------------------------------------------------------------------------
@@ -82,17 +87,17 @@ class SchedulerThread:
         if self.waiting >= self.max_waiting:
             raise QueueFull(f"{self.waiting} requests are waiting already")
         handle = Handle(request, asyncio.Queue(), loop)
-        request.on_token = lambda req, tok, h=handle: self._push(h, tok)
-        request.on_finish = lambda req, h=handle: self._finished(h)
+        request.on_token = lambda req, tok, text, h=handle: self._push(h, text)
+        request.on_finish = lambda req, text, h=handle: self._finished(h, text)
         self._inbox.put(handle)
         self._wake.set()
         return handle
 
-    def _push(self, handle: Handle, item) -> None:
-        if item is not END:
+    def _push(self, handle: Handle, item: str | End) -> None:
+        if not isinstance(item, End):
             handle.token_times.append(time.monotonic())
         try:
-            handle.loop.call_soon_threadsafe(handle.tokens.put_nowait, item)
+            handle.loop.call_soon_threadsafe(handle.texts.put_nowait, item)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
@@ -109,7 +114,7 @@ class SchedulerThread:
         self._wake.set()
         self._thread.join(timeout=max(0.1, deadline - time.monotonic()))
 
-    # ---- the engine thread ----------------------------------------------------------------------------------
+    # ---- the scheduler's thread -----------------------------------------------------------------------------
     def _loop(self) -> None:
         last_step = time.monotonic()
         try:
@@ -127,15 +132,15 @@ class SchedulerThread:
         except BaseException as e:  # a backend failure: every open request ends, the server reports it
             self.error = e
             for h in list(self._handles.values()):
-                self._push(h, END)
+                self._push(h, End())
             if self.on_error:
                 self.on_error(e)
 
-    def _finished(self, handle: Handle) -> None:
+    def _finished(self, handle: Handle, text: str) -> None:
         self._handles.pop(handle.request.id, None)
         if self.on_done:
             self.on_done(handle)
-        self._push(handle, END)
+        self._push(handle, End(text))
 
     def _take_inbox(self) -> None:
         while True:

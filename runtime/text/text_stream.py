@@ -1,61 +1,89 @@
-"""Token ids to text, incrementally, with stop strings.
+"""What ends a sequence and the text it shows: one path for `k2trt generate`, `k2trt chat` and the server.
 
-`TextStream.feed(id)` returns the text that can be shown now: a UTF-8 character split across tokens is held until
-complete, and just enough characters are held back that a stop string can be cut before any of it is shown. Once a
-stop string appears the stream is `stopped` and shows nothing more. `StopMatcher` is the same test for the
-scheduler's thread: whether the text so far contains a stop string, checked on the new tail only. Both serve
-`k2trt generate`, `k2trt chat` and the server.
+`StopRules` is built once — per command (generate, chat) or per request body (serve) — from the tokenizer, the
+stop strings and the stop ids. A request holds it (runtime/generation/scheduler.Request): the scheduler ends the
+request at one of its stop ids, and gives each sequence its own `TextStream` (`rules.stream()`), which it feeds
+every kept token, once:
+
+- `feed(token)` decodes it and returns the text that can be shown now: a UTF-8 character split across tokens is
+  held until complete, and just enough characters are held back that a stop string is cut before any of it is
+  shown; stop tokens are never shown;
+- `stopped` once a stop string has appeared: the scheduler ends the request (finish reason "stop_string");
+- `finish()` returns what was still held, and `text` is then the sequence's whole text, cut at the stop string:
+  what a terminal showed, what chat keeps in its history, what the server answers.
 """
 
 from __future__ import annotations
 
-
-class StopMatcher:
-    """stop_check for a Request: True once the decoded text contains one of the stop strings."""
-
-    def __init__(self, tokenizer, stops: list[str]):
-        self.stops = [s for s in stops if s]
-        self.decoder = tokenizer.stream_decoder()
-        self.keep = max((len(s) for s in self.stops), default=1) - 1
-        self.tail = ""  # the last keep characters: a stop string ending in the new piece starts no earlier
-
-    def __call__(self, ids: list[int]) -> bool:
-        window = self.tail + self.decoder.feed(ids[-1])
-        self.tail = window[-self.keep:] if self.keep else ""
-        return any(s in window for s in self.stops)
+from dataclasses import dataclass
 
 
-def cut_at_stop(text: str, stops: list[str]) -> str:
-    ends = [text.index(s) for s in stops if s and s in text]
-    return text[:min(ends)] if ends else text
+@dataclass(frozen=True)
+class StopRules:
+    """A request's stop conditions. Without a tokenizer (benchmarks, tools that compare token ids) there is no
+    text and no stop string, only stop ids."""
+
+    ids: frozenset[int] = frozenset()  # tokens that end the sequence
+    strings: tuple[str, ...] = ()  # text that ends it (cut before it is shown)
+    hidden: frozenset[int] = frozenset()  # tokens never shown: every stop token, also those ignore_eos runs past
+    tokenizer: object = None
+
+    @classmethod
+    def of(cls, tokenizer, strings=(), stop_ids=(), ignore_eos: bool = False) -> "StopRules":
+        """The model's stop tokens (the tokenizer's: [EOS], <|im_end|>), unless ignore_eos, and the caller's stop
+        ids and strings."""
+        model, own = frozenset(tokenizer.stop_ids), frozenset(stop_ids)
+        return cls(ids=own if ignore_eos else own | model, strings=tuple(s for s in strings if s),
+                   hidden=own | model, tokenizer=tokenizer)
+
+    def stream(self) -> "TextStream | None":
+        """A fresh text stream for one sequence (None without a tokenizer)."""
+        return None if self.tokenizer is None else TextStream(self)
+
+
+NO_STOPS = StopRules()
 
 
 class TextStream:
-    def __init__(self, decoder, stops: list[str], skip_ids=()):
-        self.decoder = decoder  # tokenizer.stream_decoder()
-        self.stops = [s for s in stops if s]
-        self.skip_ids = set(skip_ids)  # stop tokens: generated, never shown
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.pending, self.stopped = "", False
+    def __init__(self, rules: StopRules):
+        self.rules = rules
+        self.decoder = rules.tokenizer.stream_decoder()
+        self.hold = max((len(s) for s in rules.strings), default=1) - 1
+        self.pending = ""  # decoded, not shown yet: it may be the start of a stop string
+        self.shown: list[str] = []
+        self.stopped = self.finished = False
+
+    def _show(self, text: str) -> str:
+        if text:
+            self.shown.append(text)
+        return text
 
     def feed(self, token: int) -> str:
-        if self.stopped or token in self.skip_ids:
+        if self.stopped or self.finished or token in self.rules.hidden:
             return ""
         self.pending += self.decoder.feed(token)
-        hits = [self.pending.index(s) for s in self.stops if s in self.pending]
+        hits = [self.pending.index(s) for s in self.rules.strings if s in self.pending]
         if hits:
             out, self.pending, self.stopped = self.pending[:min(hits)], "", True
-            return out
+            return self._show(out)
         if len(self.pending) > self.hold:
             cut = len(self.pending) - self.hold
             out, self.pending = self.pending[:cut], self.pending[cut:]
-            return out
+            return self._show(out)
         return ""
 
     def finish(self) -> str:
-        """Whatever is still held (an incomplete character becomes U+FFFD)."""
-        if self.stopped:
+        """Whatever is still held (an incomplete character becomes U+FFFD); after it, `text` is complete."""
+        if self.stopped or self.finished:
+            self.finished = True
             return ""
-        out = cut_at_stop(self.pending + self.decoder.flush(), self.stops)
+        self.finished = True
+        rest = self.pending + self.decoder.flush()
+        hits = [rest.index(s) for s in self.rules.strings if s in rest]  # a stop string the flush completed
         self.pending = ""
-        return out
+        return self._show(rest[:min(hits)] if hits else rest)
+
+    @property
+    def text(self) -> str:
+        """Everything shown so far: the whole text, cut at the stop string, once finished."""
+        return "".join(self.shown)

@@ -3,6 +3,9 @@
 Loads a Kimi model directory unchanged (the real K2 one or the tiny generated one):
 `tiktoken.model` holds the base ranks, `tokenizer_config.json` names the special ids and holds the
 chat template. Special ids sit right after the base tokens, so the base count fixes every special id.
+Every field read from tokenizer_config.json is checked for its JSON type where it is read (a list where a name
+is expected is a one-line error, not a silent default); special_tokens_map.json, which names the same special
+tokens for other loaders, is not read.
 """
 
 from __future__ import annotations
@@ -87,6 +90,26 @@ def _token_content(entry: Any) -> str | None:
     return None
 
 
+def _named_token(config: dict, key: str, default: str, path: Path) -> str:
+    """bos_token and the like: absent or null is the default name; otherwise a name, as HF writes it."""
+    entry = config.get(key)
+    if entry is None:
+        return default
+    name = _token_content(entry)
+    if name is None:
+        raise K2Error(f"{path}: {key} must be a token name (a string, or an object with a string \"content\"), "
+                      f"got {_json_kind(entry)}")
+    return name
+
+
+def _json_kind(value: Any) -> str:
+    """How a wrong JSON value is described in an error: its type, and the value when short."""
+    kind = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+    text = repr(value)
+    return f"{kind} {text}" if len(text) <= 40 else kind
+
+
 def _special_names(config: dict, num_base: int, path: Path) -> dict[str, int]:
     named: dict[int, str] = {}
     decoder = config.get("added_tokens_decoder", {})
@@ -98,7 +121,10 @@ def _special_names(config: dict, num_base: int, path: Path) -> dict[str, int]:
             token_id = int(key)
         except ValueError:
             token_id = -1
-        if content is None or not num_base <= token_id < num_base + NUM_RESERVED_SPECIAL:
+        if content is None:
+            raise K2Error(f"{path}: added_tokens_decoder entry {key!r} must be a token name (a string, or an object "
+                          f"with a string \"content\"), got {_json_kind(entry)}")
+        if not num_base <= token_id < num_base + NUM_RESERVED_SPECIAL:
             raise K2Error(f"{path}: added_tokens_decoder entry {key!r} is not a named special id in "
                           f"{num_base}..{num_base + NUM_RESERVED_SPECIAL - 1} (does it match {RANKS_FILE}?)")
         named[token_id] = content
@@ -111,18 +137,27 @@ def _special_names(config: dict, num_base: int, path: Path) -> dict[str, int]:
     return specials
 
 
-def _template_source(config: dict, model_dir: Path) -> tuple[str, Path | str] | None:
+def _template_source(config: dict, model_dir: Path, path: Path) -> tuple[str, Path | str] | None:
     """Where the chat template is, read only when a chat is encoded (a broken template never stops a plain
     prompt): ("file", path) when chat_template.jinja exists (whatever it is: a FIFO there is refused, not skipped),
-    else ("text", the template in tokenizer_config.json)."""
+    else ("text", the template in tokenizer_config.json); ("error", why) for a chat_template of the wrong shape."""
     template_file = model_dir / TEMPLATE_FILE
     if os.path.lexists(template_file):
         return "file", template_file
     template = config.get("chat_template")
-    if isinstance(template, list):  # HF's named-template form: [{"name": ..., "template": ...}]
-        by_name = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = by_name.get("default")
-    return ("text", template) if isinstance(template, str) else None
+    if template is None or isinstance(template, str):
+        return None if template is None else ("text", template)
+    if not isinstance(template, list):
+        return "error", (f"{path}: chat_template must be a string or a list of named templates, got "
+                         f"{_json_kind(template)}")
+    by_name = {}  # HF's named-template form: [{"name": ..., "template": ...}]
+    for i, entry in enumerate(template):
+        if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                and isinstance(entry.get("template"), str)):
+            return "error", (f"{path}: chat_template[{i}] must be an object with a string \"name\" and a string "
+                             f"\"template\", got {_json_kind(entry)}")
+        by_name[entry["name"]] = entry["template"]
+    return ("text", by_name["default"]) if "default" in by_name else None
 
 
 class KimiTokenizer:
@@ -152,13 +187,13 @@ class KimiTokenizer:
         config = read_json_object(config_path, "a Kimi tokenizer names its special tokens there")
         num_base = len(ranks)
         specials = _special_names(config, num_base, config_path)
-        special_map = {}
-        for key, default in (("bos_token", "[BOS]"), ("eos_token", "[EOS]"),
-                             ("pad_token", "[PAD]"), ("unk_token", "[UNK]")):
-            special_map[key] = _token_content(config.get(key)) or default
+        special_map = {key: _named_token(config, key, default, config_path)
+                       for key, default in (("bos_token", "[BOS]"), ("eos_token", "[EOS]"),
+                                            ("pad_token", "[PAD]"), ("unk_token", "[UNK]"))}
         encoding = tiktoken.Encoding(model_dir.resolve().name or "kimi", pat_str=KIMI_PAT_STR,
                                      mergeable_ranks=ranks, special_tokens=specials)
-        return cls(encoding, num_base, specials, _template_source(config, model_dir), special_map, model_dir)
+        return cls(encoding, num_base, specials, _template_source(config, model_dir, config_path), special_map,
+                   model_dir)
 
     @property
     def vocab_size(self) -> int:
@@ -199,6 +234,8 @@ class KimiTokenizer:
             if self._template_source is None:
                 raise K2Error(f"tokenizer {self.source}: no chat_template in {CONFIG_FILE} or {TEMPLATE_FILE}")
             kind, value = self._template_source
+            if kind == "error":
+                raise K2Error(value)
             if kind == "file":
                 self._compiled_template = ChatTemplate(read_text(value, MAX_TEMPLATE_BYTES), str(value))
             else:

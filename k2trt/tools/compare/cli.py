@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from k2trt.args import at_least
 from k2trt.errors import K2Error
 from k2trt.runtime.backends.factory import BackendChoice
 from k2trt.tools.compare.compare import DEFAULT_TOKENS, Setup, compare
@@ -24,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                     "(default: embedding, the dense block, first/middle/last MoE block, head)")
     p.add_argument("--save-dir", type=Path, help="where the polygraphy files go (default: <onnx>/compare)")
     p.add_argument("--prompt", action="append", help="prompt text (repeatable; default: two fixed prompts)")
-    p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
+    p.add_argument("--tokens", type=at_least(0), default=DEFAULT_TOKENS,
                    help=f"greedy tokens compared end to end (default {DEFAULT_TOKENS}; 0 = no end-to-end rows)")
     p.add_argument("--providers", default="CPUExecutionProvider", help="ONNX Runtime providers, comma-separated")
 
@@ -41,8 +42,6 @@ def backend_choices(args) -> tuple[BackendChoice, ...]:
 def run(args) -> int:
     from k2trt.checkpoint import Checkpoint
 
-    if args.tokens < 0:
-        raise K2Error(f"--tokens must be >= 0, got {args.tokens}")
     choices = backend_choices(args)
     ckpt = Checkpoint.open(args.model)
     setup = Setup(weights=ckpt, export_dir=args.onnx, prompts=prompt_ids(args.model, args.prompt, ckpt.config),

@@ -40,10 +40,10 @@ def parse_layers(spec: str | None, cfg) -> list[Block]:
 def prompt_ids(model_dir: Path, texts: list[str] | None, cfg) -> list[list[int]]:
     """`texts` (default DEFAULT_PROMPTS) tokenized when the checkpoint has a tokenizer; without one, fixed
     pseudo-random ids of two different lengths (so the batch is still ragged)."""
-    from k2trt.runtime.text import tokenizer as T
+    from k2trt.runtime.text.tokenizer import RANKS_FILE, KimiTokenizer
 
-    if (Path(model_dir) / T.RANKS_FILE).exists():
-        tok = T.KimiTokenizer.from_dir(model_dir)
+    if (Path(model_dir) / RANKS_FILE).exists():
+        tok = KimiTokenizer.from_dir(model_dir)
         texts = texts or list(DEFAULT_PROMPTS)
         ids = [tok.encode(t) for t in texts]
         for t, i in zip(texts, ids):
@@ -51,6 +51,6 @@ def prompt_ids(model_dir: Path, texts: list[str] | None, cfg) -> list[list[int]]
                 raise K2Error(f"--prompt {t!r} encodes to no tokens")
         return ids
     if texts:
-        raise K2Error(f"--prompt needs a tokenizer, and {model_dir} has none ({T.RANKS_FILE})")
+        raise K2Error(f"--prompt needs a tokenizer, and {model_dir} has none ({RANKS_FILE})")
     g = torch.Generator().manual_seed(0)
     return [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (12, 7)]

@@ -1,6 +1,8 @@
-"""From command-line choices to a ready checkpoint, tokenizer and backend: the one place that checks that they
-belong together. The backend itself comes from the factory (runtime/backends/factory.py); under a pipeline
-(`--pipeline N` or torchrun) each rank binds only its stage, and every rank but 0 follows rank 0's steps."""
+"""A model loaded for a command: from command-line choices to a ready checkpoint, tokenizer and backend
+(`load_model` -> LoadedModel), the one place that checks that they belong together, and the scheduler or static
+batch the command runs on it. The backend itself comes from the factory (runtime/backends/factory.py); under a
+pipeline (`--pipeline N` or torchrun) each rank binds only its stage, and every rank but 0 follows rank 0's
+steps."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from k2trt.args import int_in
+from k2trt.args import at_least, int_in
 from k2trt.errors import K2Error
 from k2trt.hub import model_dir
 from k2trt.runtime.backends.contract import Backend
@@ -22,7 +24,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=model_dir, required=True,
                    help="checkpoint directory (weights, config, tokenizer), or owner/name[@revision] from the Hugging Face cache")
     add_backend_arguments(p)
-    p.add_argument("--max-context", type=int, default=None,
+    p.add_argument("--max-context", type=at_least(1), default=None,
                    help="refuse prompts + new tokens longer than this (default: the model's maximum)")
 
 
@@ -38,7 +40,7 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
 
 
 @dataclass
-class Loaded:
+class LoadedModel:
     backend: Backend
     tokenizer: object
     checkpoint: object
@@ -52,6 +54,19 @@ class Loaded:
     def executor(self):
         """What the scheduler runs steps on: rank 0's pipeline executor, or None (a local StageExecutor)."""
         return self.session.leader if self.session is not None else None
+
+    def limits(self, max_context: int | None = None, max_batch: int | None = None):
+        """The scheduler's limits: the model's, the user's and the backend's, resolved once."""
+        from k2trt.runtime.generation.limits import Limits
+
+        return Limits.resolve(self.config, self.backend.limits, max_context=max_context, max_batch=max_batch)
+
+    def scheduler(self, limits):
+        """A scheduler over this model: its steps run here (one process) or down rank 0's pipeline."""
+        from k2trt.runtime.generation.executor import StageExecutor
+        from k2trt.runtime.generation.scheduler import Scheduler
+
+        return Scheduler(self.executor or StageExecutor(self.backend, self.config), self.config, limits)
 
     @property
     def follower(self) -> bool:
@@ -97,7 +112,7 @@ def progress_line(prefix: str, doing: str = "binding weights", stream=None):
     return show
 
 
-def load(args, choice: BackendChoice | None = None, command: str = "generate") -> Loaded:
+def load_model(args, choice: BackendChoice | None = None, command: str = "generate") -> LoadedModel:
     from k2trt.runtime.distributed.world import DEFAULT_TIMEOUT_S, launched
 
     choice = choice or choice_from_args(args)
@@ -108,10 +123,10 @@ def load(args, choice: BackendChoice | None = None, command: str = "generate") -
 
         counts = parse_counts(args.stages) if getattr(args, "stages", None) else None
         backend, session = load_rank(ckpt, choice, counts, getattr(args, "dist_timeout", None) or DEFAULT_TIMEOUT_S)
-        return Loaded(backend, tok, ckpt, session)
+        return LoadedModel(backend, tok, ckpt, session)
     backend = open_backend(choice, ckpt)
     backend.prepare(progress=progress_line(f"k2trt {command}"))
-    return Loaded(backend, tok, ckpt)
+    return LoadedModel(backend, tok, ckpt)
 
 
 def launch_if_asked(args) -> int | None:
@@ -127,9 +142,8 @@ def launch_if_asked(args) -> int | None:
     return run_pipeline(args.argv, n)
 
 
-def make_generator(loaded: Loaded, max_context: int | None, extra_stop_ids=(), max_batch: int | None = None):
+def make_generator(loaded: LoadedModel, max_context: int | None):
+    """A static batch through the scheduler (generate, chat)."""
     from k2trt.runtime.generation.generator import Generator
 
-    stop_ids = tuple(loaded.tokenizer.stop_ids) + tuple(extra_stop_ids)
-    return Generator(loaded.backend, loaded.config, stop_ids=stop_ids, max_context=max_context,
-                     max_batch=max_batch, executor=loaded.executor)
+    return Generator(loaded.backend, loaded.config, loaded.limits(max_context), executor=loaded.executor)

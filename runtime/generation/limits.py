@@ -1,0 +1,74 @@
+"""The limits a scheduler works within, resolved once from the model, the user and the backend (`Limits.resolve`),
+and the one error a request past the context gets (`ContextTooLong`).
+
+One quantity runs through the runtime under four names, each bounding the next:
+
+  max_seq      the longest sequence a TensorRT engine's optimization profiles take (`k2trt build --max-seq`),
+               which the backend reports as its BackendLimits.max_context (None: no limit of its own);
+  max_context  the most positions one request may hold, prompt and new tokens together: the tightest of the
+               model's max_position_embeddings, the user's --max-context and the backend's (Limits.max_context);
+  capacity     the positions per slot the latent cache holds for a step: what every running request needs,
+               bucketed in powers of two, never above max_context (chosen by the scheduler, StepPlan.capacity);
+  P            the cache dimension of every block graph and of the step's mask [B, T, P + T]: the capacity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from k2trt.config import K2Config
+from k2trt.errors import K2Error
+from k2trt.runtime.backends.contract import BackendLimits
+
+DEFAULT_SLOTS = 64  # sequences decoded together when neither the user nor the backend sets a limit
+DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per request per step, before the mask budget shrinks it
+# a prefill step's mask is B x T x (P + T), P the capacity the step runs at (TensorRT's attention spans as much;
+# ONNX Runtime skips the P part when no prompt has cached positions, but the mask is built that wide): chunks
+# shrink so it stays under this many elements. P is what every running request needs, not only the prefilling
+# ones: a long conversation decoding beside fresh prompts widens their step too.
+MASK_BUDGET = 1 << 22
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_context: int  # positions one request may hold: prompt + new tokens
+    max_batch: int  # sequence slots: requests running at once
+    prefill_chunk: int  # prompt tokens per request per step (fewer when the mask budget asks)
+    mask_budget: int = MASK_BUDGET  # elements of a prefill step's mask
+
+    def __post_init__(self):
+        for name in ("max_context", "max_batch", "prefill_chunk", "mask_budget"):
+            if getattr(self, name) < 1:
+                raise K2Error(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @classmethod
+    def resolve(cls, cfg: K2Config, backend: BackendLimits, *, max_context: int | None = None,
+                max_batch: int | None = None, prefill_chunk: int | None = None,
+                mask_budget: int = MASK_BUDGET) -> "Limits":
+        """The tightest of the model's, the user's (None: not limited) and the backend's (what a TensorRT engine
+        was built for), with the defaults where nobody sets one."""
+        def tightest(*values):
+            return min(v for v in values if v)
+
+        return cls(max_context=tightest(cfg.max_position_embeddings, max_context, backend.max_context),
+                   max_batch=tightest(max_batch or DEFAULT_SLOTS, backend.max_batch),
+                   prefill_chunk=tightest(prefill_chunk or DEFAULT_PREFILL_CHUNK, backend.max_tokens_per_step),
+                   mask_budget=mask_budget)
+
+
+class RequestError(K2Error):
+    """A request the scheduler refuses before any work; `field` is the part of it at fault ("prompt" or
+    "max_new_tokens"), for the server's 400 to name."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+class ContextTooLong(RequestError):
+    """The prompt and the new tokens asked for exceed max_context."""
+
+    def __init__(self, name: str, prompt_tokens: int, new_tokens: int, max_context: int):
+        super().__init__(f"{name} has {prompt_tokens} tokens; with {new_tokens} new tokens that exceeds the context "
+                         f"limit of {max_context}", "prompt")
+        self.prompt_tokens, self.new_tokens, self.max_context = prompt_tokens, new_tokens, max_context
