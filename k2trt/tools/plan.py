@@ -15,7 +15,7 @@ import argparse
 import json
 import math
 
-from k2trt.args import int_in
+from k2trt.args import at_least, int_in
 from k2trt.config import K2Config
 from k2trt.errors import K2Error
 from k2trt.hub import model_dir
@@ -31,20 +31,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "or owner/name[@revision] from the HF cache")
     src.add_argument("--preset", help="a built-in config (kimi-k2, kimi-k2-thinking, tiny, ...): sizes from the "
                      "weight table")
-    p.add_argument("--devices", type=int_in(1, MAX_DEVICES), help="devices in all (with --layout)")
+    p.add_argument("--devices", type=at_least(1), help="devices in all (with --layout)")
     p.add_argument("--layout", choices=("pp", "auto", "compare"), default=None,
                    help="with --devices: pp = pipeline stages only (default); auto = the fitting layout with the "
                         "shortest decode step; compare = every layout of N devices side by side")
-    p.add_argument("--pipeline", type=int_in(1, MAX_DEVICES), help="pipeline stages P")
-    p.add_argument("--expert-parallel", type=int_in(1, MAX_DEVICES), help="expert-parallel ranks E per stage "
+    p.add_argument("--pipeline", type=at_least(1), help="pipeline stages P")
+    p.add_argument("--expert-parallel", type=at_least(1), help="expert-parallel ranks E per stage "
                    "(each holds 1/E of every MoE block's routed experts and the rest whole)")
     p.add_argument("--device-memory", required=True, help="memory per device, e.g. 141GB (H200), 79.6GiB (H100)")
     p.add_argument("--reserve", default=f"{placement.DEFAULT_RESERVE // 2**30}GiB",
                    help="kept free per device for the CUDA context, TensorRT scratch, NCCL, activations "
                         "(default %(default)s)")
-    p.add_argument("--max-context", type=int_in(1, 1 << 24), default=4096,
+    p.add_argument("--max-context", type=at_least(1), default=4096,
                    help="positions per sequence to hold in the cache (default 4096)")
-    p.add_argument("--max-batch", type=int_in(1, 1 << 20), default=1,
+    p.add_argument("--max-batch", type=at_least(1), default=1,
                    help="sequences decoding together, over all ranks (default 1)")
     p.add_argument("--stages", help="explicit blocks per stage, e.g. 8,8,8,8,8,7,7,7 (validated the same way)")
     g = p.add_argument_group("the roofline of a decode step")
