@@ -2,9 +2,10 @@
 MoeGateUpInt4, MoeDownInt4), computed as graphs/moe_ref / graphs/int4 define them. The align and combine stages are
 the FP8 MoE's own kernels (runtime/kernels/moe.py), and so is the way a row tile finds its expert.
 
-Inner loop (the shape of vLLM's fused_moe W4A16 kernel): a [BK, BN] weight tile is read as the int32 words that
-hold it — word k // 8 of row n, the value at bits 4·(k % 8) — shifted, masked and offset (q = nibble - 8), times
-its group's scale (row n, k // g), rounded to bf16 as the checkpoint's weight is (W = bf16(q·s)), and multiplied
+Inner loop (the shape of vLLM's fused_moe W4A16 kernel): a [BK, BN] weight tile is read as the [BK/8, BN] int32
+words that hold it, each once — word k // 8 of row n, the value at bits 4·(k % 8) — with one scale per word (row n,
+group k // g: g is a multiple of 8), then unpacked in registers: shifted, masked and offset (q = nibble - 8), times
+its scale, rounded to bf16 as the checkpoint's weight is (W = bf16(q·s)), and multiplied
 with the activation tile in the activation dtype on a GPU (bf16 tensor cores; exact products, fp32 accumulation)
 or in fp32 (fp32 activations, and anything under the interpreter, whose bf16 arithmetic is wrong). Activations are
 never quantized. Nothing syncs with the host; indices read from data are clamped, as in moe.py.
@@ -43,24 +44,28 @@ def row_tile(off_ptr, n, E: tl.constexpr, N: tl.constexpr, BM: tl.constexpr, BN:
 
 
 @triton.jit
-def int4_tile(w_ptr, s_ptr, e, offs_n, n_mask, kk, k_ok, N: tl.constexpr, K: tl.constexpr, G: tl.constexpr):
-    """Expert e's weight W[n, k] for k in kk [BK], n in offs_n [BN], as a [BK, BN] fp32 tile of bf16(q·s)."""
+def int4_tile(w_ptr, s_ptr, e, offs_n, n_mask, k0, N: tl.constexpr, K: tl.constexpr, G: tl.constexpr,
+              BN: tl.constexpr, BK: tl.constexpr):
+    """Expert e's weight W[n, k] for k in [k0, k0 + BK), n in offs_n [BN], as a [BK, BN] fp32 tile of bf16(q·s).
+    Each int32 word (8 values of k, one group: G is a multiple of 8) is loaded once with its scale and unpacked in
+    registers, so a K step reads BK / 8 words per column, not BK copies of them."""
     words: tl.constexpr = K // 8
     groups: tl.constexpr = K // G
+    BW: tl.constexpr = BK // 8
+    ww = k0 // 8 + tl.arange(0, BW)  # the step's words [BW]
     rows = e.to(tl.int64) * N + offs_n[None, :].to(tl.int64)  # [1, BN]
-    mask = n_mask[None, :] & k_ok[:, None]
-    packed = tl.load(w_ptr + rows * words + (kk // 8)[:, None], mask=mask, other=0)  # int32 [BK, BN]
-    q = ((packed >> ((kk % 8) * 4)[:, None]) & 0xF) - 8
-    s = tl.load(s_ptr + rows * groups + (kk // G)[:, None], mask=mask, other=0.0).to(tl.float32)
-    return rne_bf16(q.to(tl.float32) * s)
+    mask = n_mask[None, :] & (ww < words)[:, None]  # [BW, BN]
+    packed = tl.load(w_ptr + rows * words + ww[:, None], mask=mask, other=0)  # int32 [BW, BN]
+    s = tl.load(s_ptr + rows * groups + (ww * 8 // G)[:, None], mask=mask, other=0.0).to(tl.float32)
+    q = ((packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF) - 8  # [BW, 8, BN]: k = 8·word + i
+    return tl.reshape(rne_bf16(q.to(tl.float32) * s[:, None, :]), (BK, BN))
 
 
 @triton.jit
 def a_tile(ptr, rows64, valid, k0, K: tl.constexpr, BK: tl.constexpr):
-    """Activation rows [BM] (int64 indices) at K step k0: (the [BM, BK] tile, its k indices, their mask)."""
+    """Activation rows [BM] (int64 indices) at K step k0: the [BM, BK] tile."""
     kk = k0 + tl.arange(0, BK)
-    k_ok = kk < K
-    return tl.load(ptr + rows64[:, None] * K + kk[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0), kk, k_ok
+    return tl.load(ptr + rows64[:, None] * K + kk[None, :], mask=valid[:, None] & (kk < K)[None, :], other=0.0)
 
 
 @triton.jit
@@ -87,9 +92,9 @@ def gate_up_int4_kernel(x_ptr, sorted_ptr, off_ptr, gp_ptr, gs_ptr, up_ptr, us_p
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        a, kk, k_ok = a_tile(x_ptr, tok, valid, k0, K, BK)
-        acc_g = int4_dot(a, int4_tile(gp_ptr, gs_ptr, e, offs_n, n_mask, kk, k_ok, N, K, G), acc_g, ACT, DOT16)
-        acc_u = int4_dot(a, int4_tile(up_ptr, us_ptr, e, offs_n, n_mask, kk, k_ok, N, K, G), acc_u, ACT, DOT16)
+        a = a_tile(x_ptr, tok, valid, k0, K, BK)
+        acc_g = int4_dot(a, int4_tile(gp_ptr, gs_ptr, e, offs_n, n_mask, k0, N, K, G, BN, BK), acc_g, ACT, DOT16)
+        acc_u = int4_dot(a, int4_tile(up_ptr, us_ptr, e, offs_n, n_mask, k0, N, K, G, BN, BK), acc_u, ACT, DOT16)
     # the reference rounds gate, up, silu(gate) and the product to x's dtype; torch's silu is x / (1 + exp(-x))
     g = round_act(acc_g, ACT)
     u = round_act(acc_u, ACT)
@@ -108,8 +113,8 @@ def down_int4_kernel(h_ptr, sorted_ptr, off_ptr, dp_ptr, ds_ptr, n, out_ptr,
         return
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        a, kk, k_ok = a_tile(h_ptr, rows.to(tl.int64), valid, k0, K, BK)
-        acc = int4_dot(a, int4_tile(dp_ptr, ds_ptr, e, offs_n, n_mask, kk, k_ok, N, K, G), acc, ACT, DOT16)
+        a = a_tile(h_ptr, rows.to(tl.int64), valid, k0, K, BK)
+        acc = int4_dot(a, int4_tile(dp_ptr, ds_ptr, e, offs_n, n_mask, k0, N, K, G, BN, BK), acc, ACT, DOT16)
     pair = tl.minimum(tl.maximum(tl.load(sorted_ptr + rows, mask=valid, other=0), 0), n - 1).to(tl.int64)
     tl.store(out_ptr + pair[:, None] * N + offs_n[None, :], to_act(acc, ACT), mask=valid[:, None] & n_mask[None, :])
 
