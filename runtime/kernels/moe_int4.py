@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from k2trt.graphs.int4 import PACK_FACTOR
-from k2trt.runtime.kernels.fp8_linear import (FMA_BLOCK_K, FMA_MAX_TILE, act_code, checked_out, interpreting,
-                                               rne_bf16, round_act, to_act)
+from k2trt.runtime.kernels.fp8_linear import (FMA_BLOCK_K, FMA_MAX_TILE, FP_FUSION, act_code, checked_out,
+                                               interpreting, rne_bf16, round_act, to_act)
 from k2trt.runtime.kernels.moe import expert_tile, gemm_tiles_bound, run_stages
 
 
@@ -239,7 +239,7 @@ def moe_gate_up_int4(x2, sorted_pairs, expert_offsets, gp, gs, up, us, group_siz
         gate_up_int4_kernel[(int4_grid(n, num_experts, inter, tiles),)](
             x2.contiguous(), sorted_pairs, expert_offsets, gp.contiguous(), gs.contiguous(), up.contiguous(),
             us.contiguous(), m, n, h, **int4_constexprs(num_experts, inter, d, group_size, tiles, x2.dtype),
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=FP_FUSION)
     return h
 
 
@@ -253,7 +253,7 @@ def moe_down_int4(h, sorted_pairs, expert_offsets, dp, ds, group_size: int, tact
         down_int4_kernel[(int4_grid(n, num_experts, d, tiles),)](
             h, sorted_pairs, expert_offsets, dp.contiguous(), ds.contiguous(), n, out,
             **int4_constexprs(num_experts, d, inter, group_size, tiles, h.dtype),
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=FP_FUSION)
     return out
 
 
