@@ -1,8 +1,9 @@
 """Every distinct AOT configuration the plugins can ask TensorRT for, compiled for sm_90 on the CPU (Triton's
 compiler and bundled ptxas, no GPU): every node kind of runtime/trt/aot_nodes.py, float32 / bfloat16 / float16,
-W8A16 and W8A8, the tiny and K2 graphs and k2trt doctor's cases, every tactic. Each must fit the 48 KiB of shared
-memory an AOT launch gets and the register file, without a spill. The interpreter's emulation cannot see either
-(a compile is needed), which is how MoeGateUp float32 W8A16 once needed 73,728 B and failed every doctor run.
+W8A16 and W8A8, the tiny and K2 graphs with FP8 and with INT4 experts and k2trt doctor's cases, every tactic. Each
+must fit the 48 KiB of shared memory an AOT launch gets and the register file, without a spill. The interpreter's
+emulation cannot see either (a compile is needed), which is how MoeGateUp float32 W8A16 once needed 73,728 B and
+failed every doctor run, and how 25 INT4 float32 / float16 configurations spilled until their tile rule.
 
 The compiles run once per session (conftest.aot_compiled: k2trt/tools/aot_configs.py, two processes); launches
 that compile to the same code are compiled once (aot.config_key)."""
@@ -28,13 +29,15 @@ def test_the_table_covers_every_plugin_node_kind_dtype_mode_and_config():
     requests = AC.all_requests()
     kinds = {(r.op_type, getattr(r.launch, "act", None), getattr(r.launch, "activation_quant", None))
              for r in requests}
+    w4a16 = {c.op_type for c in contracts.MOE_INT4_STAGES} - {"MoeAlign", "MoeCombine"}  # no FP8 mode applies
     for op in AOT_NODES:
         for act in contracts.ACTIVATION_DTYPES:
             for aq in AC.MODES:
-                want = {"MoeAlign": (op, None, None), "MoeCombine": (op, act, None)}.get(op, (op, act, aq))
+                want = {"MoeAlign": (op, None, None), "MoeCombine": (op, act, None)}.get(
+                    op, (op, act, None) if op in w4a16 else (op, act, aq))
                 assert want in kinds, want
     assert set(AOT_NODES) == {c.op_type for c in contracts.TENSORRT}
-    assert {r.source.split()[0] for r in requests} == {"tiny", "kimi-k2", "doctor"}
+    assert {r.source.split()[0] for r in requests} == {*AC.CONFIGS, "doctor"}
     # every tactic of every node is asked for
     for op, row in AOT_NODES.items():
         assert {r.tactic for r in requests if r.op_type == op} == set(row.every_tactic())
@@ -61,7 +64,7 @@ def test_moe_gate_up_fp32_w8a16_fits_after_the_tiling_fix(aot_compiled):
     from k2trt.runtime.kernels.fp8_linear import FMA_BLOCK_K
 
     results, _, _ = aot_compiled
-    gate_up = [r for r in results if r["requested"].get("stage") == "gate_up"
+    gate_up = [r for r in results if r["requested"]["type"] == "GemmLaunch" and r["requested"]["stage"] == "gate_up"
                and r["requested"]["act"] == "float32" and r["requested"]["activation_quant"] == 0]
     assert gate_up and all(r["error"] is None for r in gate_up)
     assert {r["chosen"]["block_k"] for r in gate_up} == {FMA_BLOCK_K}
@@ -87,3 +90,40 @@ def test_the_old_tiling_does_not_fit():
     assert r.returncode == 0, r.stderr[-3000:]
     assert "smallest 73728" in r.stdout
     assert "refused: moe_gate_up_384x2048x7168: no tile config fits in 48 KiB" in r.stdout
+
+
+def test_every_int4_configuration_fits_as_its_tile_rule_chose_it(aot_compiled):
+    """The INT4 GEMMs (MoeGateUpInt4, MoeDownInt4) in float32, bfloat16 and float16, every tactic, at the tiny and
+    K2-Thinking shapes and doctor's: each fits as moe_int4.int4_tiles chose it — compile_launch shrank nothing — so
+    the JIT entry points (which never shrink) and the plugins run the same tiles; float32 at the FMA K step, every
+    tactic at its height. (Before the rule, 25 of them spilled, up to ~17 KB, and tactic 3 ran one stage.)"""
+    from k2trt.runtime.kernels.fp8_linear import FMA_BLOCK_K
+
+    results, _, _ = aot_compiled
+    int4 = [r for r in results if r["requested"]["type"] == "Int4GemmLaunch"]
+    assert {(r["requested"]["act"], r["requested"]["stage"]) for r in int4} == {
+        (act, stage) for act in contracts.ACTIVATION_DTYPES for stage in ("gate_up", "down")}
+    for r in int4:
+        assert r["error"] is None and r["chosen"] == r["requested"], AC.result_line(r)
+    for act in contracts.ACTIVATION_DTYPES:
+        assert {r["chosen"]["block_m"] for r in int4 if r["requested"]["act"] == act} == {16, 32, 64}, act
+    assert {r["chosen"]["block_k"] for r in int4 if r["requested"]["act"] == "float32"} == {FMA_BLOCK_K}
+
+
+def test_int4_fp32_at_a_k_step_of_64_spills():
+    """What the INT4 tile rule changed for float32: the FMA dot's fp32 operand tiles at the 16-bit K step of 64
+    spill even at the smallest tactic (16 rows), with shared memory to spare."""
+    code = textwrap.dedent("""
+        from dataclasses import replace
+        from k2trt.runtime.trt import aot, aot_moe_int4
+        launch = replace(aot_moe_int4.int4_gemm_launch("gate_up", 384, 2048, 7168, 32, "float32", 1), block_k=64)
+        name, ptx, warps, shared = aot._compile(launch, aot.Target(90, 88))
+        u = aot.ptxas_usage(ptx, 90)
+        print("shared", shared, "spills", u.spill_stores, u.spill_loads)
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    words = r.stdout.split()
+    shared, stores = int(words[words.index("shared") + 1]), int(words[words.index("spills") + 1])
+    assert shared <= aot.AOT_SHARED_LIMIT and stores > 0, r.stdout

@@ -43,22 +43,52 @@ def test_moe_int4_matches_reference(experts, dtype):
     assert_close(y, r, TIGHT if dtype == torch.float32 else FLIP)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tactic", sorted(moe_int4.INT4_TACTICS))
-def test_every_tactic_and_the_stages(experts, tactic):
-    """3-D x, int64 ids, every tile TensorRT may pick; each stage against its own reference, into poisoned buffers
-    (TensorRT hands over uninitialized ones)."""
-    x = torch.randn(2, 10, 256, generator=torch.Generator().manual_seed(8))
+def test_every_tactic_and_the_stages(experts, tactic, dtype):
+    """3-D x, int64 ids, every tile TensorRT may pick in every activation dtype (each dtype has its own tiles and dot
+    mode: moe_int4.int4_tiles, int4_dot_mode); each stage against its own reference, into poisoned buffers
+    (TensorRT hands over uninitialized ones); the whole node once per tactic (its align and combine do not depend on
+    the dtype's tiles)."""
+    tol = TIGHT if dtype == torch.float32 else FLIP
+    x = torch.randn(2, 10, 256, generator=torch.Generator().manual_seed(8)).to(dtype)
     ids, w = _routing(20, 16, 3, seed=8)
     ids, w = ids.long().view(2, 10, 3), w.view(2, 10, 3)
-    assert_close(moe_int4.moe_int4(x, ids, w, *experts, group_size=G, tactic=tactic),
-                 moe_ref.moe_int4_reference(x, ids, w, *experts))
+    if dtype == torch.float32:
+        assert_close(moe_int4.moe_int4(x, ids, w, *experts, group_size=G, tactic=tactic),
+                     moe_ref.moe_int4_reference(x, ids, w, *experts))
     sp, off = moe.moe_align(ids, 16)
     n = sp.numel()
     h = moe_int4.moe_gate_up_int4(x.view(-1, 256), sp, off, *experts[:4], G, tactic,
-                                  h=torch.full((n, 128), float("nan")))
-    assert_close(h, moe_ref.moe_gate_up_int4_reference(x, sp, off, *experts[:4]))
-    pair_out = moe_int4.moe_down_int4(h, sp, off, *experts[4:], G, tactic, out=torch.full((n, 256), float("nan")))
-    assert_close(pair_out, moe_ref.moe_down_int4_reference(h, sp, off, *experts[4:]))
+                                  h=torch.full((n, 128), float("nan"), dtype=dtype))
+    assert_close(h, moe_ref.moe_gate_up_int4_reference(x, sp, off, *experts[:4]), tol)
+    pair_out = moe_int4.moe_down_int4(h, sp, off, *experts[4:], G, tactic,
+                                      out=torch.full((n, 256), float("nan"), dtype=dtype))
+    assert_close(pair_out, moe_ref.moe_down_int4_reference(h, sp, off, *experts[4:]), tol)
+
+
+def test_tiles_and_dot_modes_follow_the_activation_dtype():
+    """One rule for the JIT entry points and the AOT launches: 16-bit activations run INT4_TACTICS on tensor cores
+    (bf16; fp16 as tf32, which holds an fp16 activation and a bf16 weight exactly), fp32 ones on FMA units at the
+    FP8 kernels' FMA K step and tile bound — every tactic keeps its height. (Under the interpreter bf16 runs as
+    fp32, with bf16's tiles.)"""
+    from k2trt.runtime.kernels.fp8_linear import FMA_BLOCK_K, FMA_MAX_TILE
+    from k2trt.runtime.trt import aot_moe_int4
+
+    assert moe_int4.int4_dot_mode(torch.float16) == moe_int4.DOT_TF32
+    assert moe_int4.int4_dot_mode(torch.float32) == moe_int4.DOT_FMA
+    assert moe_int4.int4_dot_mode(torch.bfloat16) == moe_int4.DOT_FMA  # the interpreter (conftest); a GPU: DOT_BF16
+    for tactic, base in moe_int4.INT4_TACTICS.items():
+        assert moe_int4.int4_tiles(tactic, torch.bfloat16) == moe_int4.int4_tiles(tactic, torch.float16) == base
+        fp32 = moe_int4.int4_tiles(tactic, torch.float32)
+        assert fp32.block_k == FMA_BLOCK_K and fp32.block_m == base.block_m
+        assert fp32.block_m * fp32.block_n <= FMA_MAX_TILE
+        for act, dtype in (("float32", torch.float32), ("float16", torch.float16), ("bfloat16", torch.bfloat16)):
+            for stage in ("gate_up", "down"):
+                launch = aot_moe_int4.int4_gemm_launch(stage, 16, 256, 128, G, act, tactic)
+                assert launch.tiles == moe_int4.int4_tiles(tactic, dtype), (stage, act, tactic)
+    with pytest.raises(ValueError, match="unknown tactic 4"):
+        moe_int4.int4_tiles(4, torch.bfloat16)
 
 
 def test_uneven_dims_and_group_sizes():

@@ -330,11 +330,10 @@ def kernel_variants(cfg: K2Config | None = None):
                                aot_moe.gemm_launch("gate_up", e, inter, d, "bfloat16", aq, tactic)))
             out.append(variant(f"moe down aq{aq} BM{t.block_m}",
                                aot_moe.gemm_launch("down", e, d, inter, "bfloat16", aq, tactic)))
-    for tactic, t in INT4_TACTICS.items():  # W4A16: one mode
-        out.append(variant(f"moe int4 gate_up BM{t.block_m}",
-                           aot_moe_int4.int4_gemm_launch("gate_up", e, inter, d, INT4_GROUP, "bfloat16", tactic)))
-        out.append(variant(f"moe int4 down BM{t.block_m}",
-                           aot_moe_int4.int4_gemm_launch("down", e, d, inter, INT4_GROUP, "bfloat16", tactic)))
+    for tactic in INT4_TACTICS:  # W4A16: one mode; the tiles are moe_int4.int4_tiles' for bf16, as the JIT's
+        for stage, out_cols, in_cols in (("gate_up", inter, d), ("down", d, inter)):
+            launch = aot_moe_int4.int4_gemm_launch(stage, e, out_cols, in_cols, INT4_GROUP, "bfloat16", tactic)
+            out.append(variant(f"moe int4 {stage} BM{launch.block_m} BK{launch.block_k}", launch))
     return out
 
 

@@ -71,6 +71,6 @@ class Int4GemmLaunch:
 
 def int4_gemm_launch(stage: str, num_experts: int, out_cols: int, in_cols: int, group_size: int, act: str,
                      tactic: int) -> Int4GemmLaunch:
-    t = moe_int4.int4_tiles(tactic)
+    t = moe_int4.int4_tiles(tactic, torch_dtype(act))
     return Int4GemmLaunch(stage, num_experts, out_cols, in_cols, group_size, act, t.block_m, t.block_n, t.block_k,
                           t.num_warps, t.num_stages)
