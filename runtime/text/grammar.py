@@ -28,6 +28,7 @@ from k2trt.runtime.text.markers import (ARGUMENT_BEGIN, CALL_BEGIN, CALL_END, SE
 
 MAX_SCHEMA_CHARS = 64 << 10  # one schema as JSON text (a tool's parameters, a response format)
 MAX_CALL_INDEX_DIGITS = 3  # the IDX of functions.NAME:IDX
+MAX_PARALLEL_CALLS = 16  # the most calls a forced section holds, so it ends
 # Bounded whitespace: what json.dumps writes by default (K2's tool arguments look so), nothing more.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -128,10 +129,11 @@ def json_grammar(schema_json: str, reasoning: bool = False) -> str:
 
 def tool_call_grammar(functions: list[tuple[str, str]], parallel: bool, reasoning: bool = False) -> str:
     """A tool-call section in K2's format calling one of `functions` — (name, schema_text of its parameters) —
-    once, or one or more times when `parallel`; nothing else. Names are OpenAI's [A-Za-z0-9_-]{1,64}."""
+    once, or 1..MAX_PARALLEL_CALLS times when `parallel`; nothing else. Names are OpenAI's [A-Za-z0-9_-]{1,64}."""
     prefix, rules = _thinking(reasoning)
     calls = " | ".join(f"call_{i}" for i in range(len(functions)))
-    out = [f"start: {prefix}{SECTION_BEGIN} call{'+' if parallel else ''} {SECTION_END}", f"call: {calls}"]
+    count = f"{{1,{MAX_PARALLEL_CALLS}}}" if parallel else ""
+    out = [f"start: {prefix}{SECTION_BEGIN} call{count} {SECTION_END}", f"call: {calls}"]
     for i, (name, schema) in enumerate(functions):
         out.append(f'call_{i}: {CALL_BEGIN} "functions.{name}:" INDEX {ARGUMENT_BEGIN} args_{i} {CALL_END}')
         out.append(f"args_{i}: %json{schema}")
