@@ -8,9 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from k2trt.runtime.serve import protocol
-from k2trt.runtime.text.chat_output import ChatOutputParser
+from k2trt.runtime.text.chat_output import ChatOutputParser, template_thinks
 from k2trt.runtime.text.grammar import Grammar, GrammarError, Grammars, json_grammar, schema_text, tool_call_grammar
-from k2trt.runtime.text.markers import THINK_END
 
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
@@ -29,16 +28,10 @@ class AnswerShape:
         return ChatOutputParser(reasoning=self.reasoning, tool_names=self.tool_names)
 
 
-def thinks(tokenizer, template_kwargs: dict) -> bool:
-    """A template that thinks: its tokenizer has </think> (K2-Thinking, K2.5), and thinking is not turned off
-    (K2.5's {"thinking": false}), as vLLM's kimi_k2 reasoning parser decides."""
-    return tokenizer.has_token(THINK_END) and template_kwargs.get("thinking", True) is not False
-
-
 def answer_shape(body: protocol.ChatCompletionRequest, tokenizer, grammars: Grammars) -> AnswerShape:
     """Every part checked (a schema the grammar library refuses, or too large, is a 400 naming its field)."""
     kwargs = dict(body.chat_template_kwargs or {})
-    reasoning = thinks(tokenizer, kwargs)
+    reasoning = template_thinks(tokenizer, kwargs)
     if body.tools:
         kwargs["tools"] = [t.for_template() for t in body.tools]
     tool_names = frozenset(body.tool_names()) if body.tools_active() else None

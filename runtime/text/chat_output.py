@@ -27,6 +27,12 @@ from dataclasses import dataclass, field
 from k2trt.runtime.text.markers import (ARGUMENT_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END, THINK_BEGIN,
                                         THINK_END, MarkerScanner)
 
+def template_thinks(tokenizer, template_kwargs: dict | None = None) -> bool:
+    """A template that thinks: its tokenizer has </think> (K2-Thinking, K2.5), and thinking is not turned off
+    (K2.5's {"thinking": false}), as vLLM's kimi_k2 reasoning parser decides."""
+    return tokenizer.has_token(THINK_END) and (template_kwargs or {}).get("thinking", True) is not False
+
+
 CALL_ID = re.compile(r"(?:functions\.)?(?P<name>[\w.\-]+):(?P<index>\d+)")
 REASONING, CONTENT, SECTION, CALL = "reasoning", "content", "section", "call"
 
