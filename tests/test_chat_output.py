@@ -92,6 +92,12 @@ def test_truncated_output_keeps_the_complete_calls_and_returns_the_cut_one_as_co
     assert p.tool_calls == [] and p.content == f"Hi{CB}functions.sea"
 
 
+def test_one_call_at_most_without_parallel_calls():
+    text = SB + call("functions.search:0", "{}") + call("functions.get_time:1", "{}") + SE
+    p, _ = parse(text, max_calls=1)
+    assert [c.name for c in p.tool_calls] == ["search"] and p.content == call("functions.get_time:1", "{}")
+
+
 def test_markers_are_text_when_tools_are_off():
     text = f"x{SB}{call('functions.search:0', '{}')}{SE}"
     p, _ = parse(text, tool_names=None)

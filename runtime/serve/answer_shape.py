@@ -20,12 +20,13 @@ class AnswerShape:
     reasoning: bool  # the template thinks: the answer opens with reasoning_content
     tool_names: frozenset[str] | None  # the functions the answer may call; None: tool calls are not parsed
     grammar: Grammar | None = None
+    max_calls: int | None = None  # parallel_tool_calls false: 1
 
     def parser(self) -> ChatOutputParser | None:
         """A fresh splitter for one choice's text, or None where the text is all content."""
         if not self.reasoning and self.tool_names is None:
             return None
-        return ChatOutputParser(reasoning=self.reasoning, tool_names=self.tool_names)
+        return ChatOutputParser(reasoning=self.reasoning, tool_names=self.tool_names, max_calls=self.max_calls)
 
 
 def answer_shape(body: protocol.ChatCompletionRequest, tokenizer, grammars: Grammars) -> AnswerShape:
@@ -56,4 +57,4 @@ def answer_shape(body: protocol.ChatCompletionRequest, tokenizer, grammars: Gram
         grammar = grammars.compile(source) if source is not None else None
     except GrammarError as e:
         raise protocol.APIError(400, f"{field}: the grammar library refuses the schema: {e}", param=field) from None
-    return AnswerShape(kwargs, reasoning, tool_names, grammar)
+    return AnswerShape(kwargs, reasoning, tool_names, grammar, None if body.parallel_tool_calls else 1)

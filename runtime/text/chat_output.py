@@ -15,7 +15,8 @@ K2's format (vLLM's and SGLang's kimi_k2 tool and reasoning parsers read the sam
   stripped. A call is decided when it ends: one that names a declared function and whose arguments are a JSON
   object becomes a tool call — sent name first, then its arguments in the pieces they were generated in — and any
   other (unknown name, arguments that are not JSON, cut off by the end of the output) goes back as content, its
-  markers included, as vLLM answers a malformed call. The section's own markers are never content.
+  markers included, as vLLM answers a malformed call. The section's own markers are never content. With
+  `max_calls` (OpenAI's parallel_tool_calls false: 1), calls past it are content too.
 """
 
 from __future__ import annotations
@@ -89,10 +90,11 @@ class _Call:
 
 
 class ChatOutputParser:
-    def __init__(self, reasoning: bool = False, tool_names: frozenset[str] | None = None):
+    def __init__(self, reasoning: bool = False, tool_names: frozenset[str] | None = None,
+                 max_calls: int | None = None):
         """`reasoning`: the template thinks; `tool_names`: the functions a call may name (None: tools are off, the
-        markers are text)."""
-        self.tool_names = tool_names
+        markers are text); `max_calls`: the most calls an answer makes (None: any number)."""
+        self.tool_names, self.max_calls = tool_names, max_calls
         markers = ((THINK_BEGIN, THINK_END) if reasoning else ()) + (
             (SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END) if tool_names is not None else ())
         self.scanner = MarkerScanner(markers) if markers else None
@@ -174,6 +176,7 @@ class ChatOutputParser:
         arguments = "".join(call.pieces).strip()
         try:
             valid = (call.in_arguments and match is not None and match["name"] in self.tool_names
+                     and (self.max_calls is None or len(self.calls) < self.max_calls)
                      and isinstance(json.loads(arguments), dict))
         except ValueError:
             valid = False
