@@ -154,7 +154,7 @@ BAD = [
     ({"model": "tiny", "prompt": "hi", "temperature": -0.5}, 400, "temperature: must be a finite number >= 0"),
     ({"model": "tiny", "prompt": "hi", "top_p": 1.5}, 400, "top_p: must be in (0, 1], got 1.5"),
     ({"model": "tiny", "prompt": "hi", "top_k": -1}, 400, "top_k: must be an integer >= 0, got -1"),
-    ({"model": "tiny", "prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ({"model": "tiny", "prompt": "hi", "logprobs": 6}, 400, "logprobs"),
     ({"model": "tiny", "prompt": []}, 400, "prompt"),
     ({"model": "tiny", "prompt": [[]]}, 400, "prompt"),
     ({"model": "tiny", "prompt": [99999999]}, 400, "vocabulary"),

@@ -281,7 +281,12 @@ def test_message_text_that_spells_markers_stays_text(tok, where):
 
 @pytest.mark.parametrize("messages, message", [
     ([], "messages must be a non-empty list"),
-    ([{"role": "tool", "content": "x"}], "message 0: role 'tool' is not one of system, user, assistant"),
+    ([{"role": "robot", "content": "x"}], "message 0: role 'robot' is not one of system, user, assistant, tool"),
+    ([{"role": "tool", "content": "x", "tool_call_id": "a"}], "message 0: tool_call_id 'a' answers no earlier"),
+    ([{"role": "assistant", "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f",
+                                                                                       "arguments": "{x"}}]}],
+     "message 0 tool_calls[0]: function.arguments is not JSON"),
+    ([{"role": "assistant", "tool_calls": [{"id": "a"}]}], "message 0 tool_calls[0]: a tool call is"),
     ([{"role": "user", "content": 5}], "message 0: content must be a string or a list of text parts"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
      "message 0 content part 0: type 'image_url' is not supported"),

@@ -5,6 +5,10 @@ At each concurrency (default 1, 4, 16) the same number of requests run, each a s
 random prompt with `ignore_eos`, so every request generates exactly --max-tokens tokens. Reported, measured at the
 client: output tokens/s over the level's wall time, time to first token and inter-token latency percentiles, and
 the speed-up of the highest concurrency over sequential requests (concurrency 1) in the same run.
+
+`--structured` measures what decoding under a grammar costs: every level runs twice over the chat API, the same
+requests plain and with a response_format json_schema (every step of every request masked by its grammar), and
+the table adds the structured run's output tokens/s and inter-token latency as ratios of the plain run's.
 """
 
 from __future__ import annotations
@@ -39,7 +43,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=at_least(1), default=64, help="prompt tokens (default 64)")
     p.add_argument("--max-tokens", type=at_least(2), default=32,
                    help="tokens generated per request (default 32; at least 2, for an inter-token latency)")
+    p.add_argument("--structured", action="store_true",
+                   help="also run each level under a json_schema grammar, and report its cost against plain requests")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+
+# the structured run's answer: one string longer than --max-tokens tokens can spell, so every step of every request is
+# masked by its grammar and shows text, as in the plain run
+STRUCTURED = {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": {
+    "type": "object", "properties": {"answer": {"type": "string", "minLength": 512}}, "required": ["answer"],
+    "additionalProperties": False}}}
 
 
 @dataclass
@@ -54,6 +67,7 @@ class Level:
     concurrency: int
     wall_s: float
     samples: list[Sample] = field(default_factory=list)
+    kind: str = "plain"
 
     @property
     def tokens_per_s(self) -> float:
@@ -62,7 +76,7 @@ class Level:
     def row(self) -> dict:
         ttft = [s.ttft for s in self.samples]
         itl = [g for s in self.samples for g in s.gaps]
-        return {"concurrency": self.concurrency, "requests": len(self.samples),
+        return {"kind": self.kind, "concurrency": self.concurrency, "requests": len(self.samples),
                 "output_tokens_per_s": round(self.tokens_per_s, 1),
                 **{f"ttft_p{q}_ms": round(1000 * percentile(ttft, q), 1) for q in (50, 90, 99)},
                 **{f"itl_p{q}_ms": round(1000 * percentile(itl, q), 2) for q in (50, 90, 99)}}
@@ -80,7 +94,8 @@ def percentile(values: list[float], q: float) -> float:
 async def one_request(client, url: str, body: dict) -> Sample:
     t0 = time.perf_counter()
     times, tokens = [], 0
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    async with client.stream("POST", url + path, json=body) as r:
         if r.status_code != 200:
             raise K2Error(f"the server answered {r.status_code}: {(await r.aread())[:300]!r}")
         async for line in r.aiter_lines():
@@ -89,20 +104,21 @@ async def one_request(client, url: str, body: dict) -> Sample:
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
+            choice = chunk["choices"][0] if chunk.get("choices") else {}
+            if choice.get("text") or (choice.get("delta") or {}).get("content"):
                 times.append(time.perf_counter())
     if not times:
         raise K2Error("a request streamed no text")
     return Sample(times[0] - t0, [b - a for a, b in zip(times, times[1:])], tokens)
 
 
-async def run_level(url: str, bodies: list[dict], concurrency: int) -> Level:
+async def run_level(url: str, bodies: list[dict], concurrency: int, kind: str = "plain") -> Level:
     import httpx
 
     queue: asyncio.Queue = asyncio.Queue()
     for b in bodies:
         queue.put_nowait(b)
-    level = Level(concurrency, 0.0)
+    level = Level(concurrency, 0.0, kind=kind)
 
     async def worker(client):
         while not queue.empty():
@@ -181,17 +197,42 @@ def bodies(model: str, n: int, prompt_len: int, max_tokens: int, vocab: int) -> 
             for _ in range(n)]
 
 
+def chat_bodies(plain: list[dict], structured: bool) -> list[dict]:
+    """The same requests over the chat API (each prompt's ids as one user message of their text), with the
+    grammar or not."""
+    import random
+
+    rng = random.Random(1)
+    words = ["tea", "river", "engine", "seven", "blue", "quiet", "graph", "token"]
+    out = []
+    for b in plain:
+        text = " ".join(rng.choice(words) for _ in range(len(b["prompt"])))
+        body = {k: v for k, v in b.items() if k != "prompt"} | {"messages": [{"role": "user", "content": text}]}
+        out.append(body | ({"response_format": STRUCTURED} if structured else {}))
+    return out
+
+
 def render(levels: list[Level], speedup: float) -> str:
     rows = [lv.row() for lv in levels]
-    cols = ["concurrency", "requests", "output_tokens_per_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms",
+    cols = ["kind", "concurrency", "requests", "output_tokens_per_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms",
             "itl_p50_ms", "itl_p90_ms", "itl_p99_ms"]
-    heads = ["conc", "requests", "out tok/s", "TTFT p50 ms", "p90", "p99", "ITL p50 ms", "p90", "p99"]
+    heads = ["kind", "conc", "requests", "out tok/s", "TTFT p50 ms", "p90", "p99", "ITL p50 ms", "p90", "p99"]
     cells = [heads] + [[str(r[c]) for c in cols] for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
     lines = ["  ".join(x.rjust(w) for x, w in zip(c, widths)) for c in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    lines.append(f"concurrency {levels[-1].concurrency} over sequential requests: {speedup:.2f}x output tokens/s")
+    lines.append(f"concurrency {max(lv.concurrency for lv in levels)} over sequential requests: {speedup:.2f}x output "
+                 "tokens/s")
+    for plain, grammar in structured_pairs(levels):
+        lines.append(f"concurrency {plain.concurrency} under a grammar: "
+                     f"{grammar.tokens_per_s / plain.tokens_per_s:.3f}x output tokens/s, "
+                     f"{grammar.row()['itl_p50_ms'] / plain.row()['itl_p50_ms']:.3f}x ITL p50")
     return "\n".join(lines)
+
+
+def structured_pairs(levels: list[Level]) -> list[tuple[Level, Level]]:
+    plain = {lv.concurrency: lv for lv in levels if lv.kind == "plain"}
+    return [(plain[lv.concurrency], lv) for lv in levels if lv.kind == "json_schema"]
 
 
 def run(args) -> int:
@@ -208,18 +249,29 @@ def run(args) -> int:
         model = args.served_model_name or card["id"]
         vocab = _vocab(args) or 1000
         work = bodies(model, args.requests, args.prompt_len, args.max_tokens, vocab)
-        asyncio.run(run_level(url, work[:2], 1))  # warm-up
+        kinds = {"plain": work}
+        if args.structured:  # like with like: both over the chat API
+            kinds = {"plain": chat_bodies(work, False), "json_schema": chat_bodies(work, True)}
+        for kind_work in kinds.values():
+            asyncio.run(run_level(url, kind_work[:2], 1))  # warm-up
         levels = []
         for c in levels_asked:
-            print(f"bench-serve: concurrency {c}, {args.requests} requests ...", file=sys.stderr, flush=True)
-            levels.append(asyncio.run(run_level(url, work, c)))
+            for kind, kind_work in kinds.items():
+                print(f"bench-serve: {kind}, concurrency {c}, {args.requests} requests ...", file=sys.stderr,
+                      flush=True)
+                levels.append(asyncio.run(run_level(url, kind_work, c, kind)))
     finally:
         if server:
             server.stop()
-    base = next((lv for lv in levels if lv.concurrency == 1), levels[0])
-    speedup = levels[-1].tokens_per_s / base.tokens_per_s
+    plain = [lv for lv in levels if lv.kind == "plain"]
+    base = next((lv for lv in plain if lv.concurrency == 1), plain[0])
+    speedup = plain[-1].tokens_per_s / base.tokens_per_s
     if args.json:
-        print(json.dumps({"levels": [lv.row() for lv in levels], "speedup_over_sequential": round(speedup, 2)}))
+        grammar = [{"concurrency": p.concurrency, "tokens_per_s_ratio": round(g.tokens_per_s / p.tokens_per_s, 3),
+                    "itl_p50_ratio": round(g.row()["itl_p50_ms"] / p.row()["itl_p50_ms"], 3)}
+                   for p, g in structured_pairs(levels)]
+        print(json.dumps({"levels": [lv.row() for lv in levels], "speedup_over_sequential": round(speedup, 2),
+                          **({"grammar_cost": grammar} if grammar else {})}))
     else:
         print(render(levels, speedup))
     return 0

@@ -18,17 +18,39 @@ from k2trt.atomic import atomic_write_text
 from k2trt.errors import K2Error
 from k2trt.runtime.text.tokenizer import CONFIG_FILE, NUM_RESERVED_SPECIAL, RANKS_FILE, TEMPLATE_FILE, reserved_name
 
-# Kimi K2's named special ids, as offsets from the number of base tokens; the rest are reserved slots.
+# Kimi K2's named special ids, as offsets from the number of base tokens (163584 in K2); the rest are reserved slots.
+# Every release names 0-4, 6, 7, 9-15, 17, 254 and 255 (K2-Instruct-0905's tokenizer_config.json: 163584..163601,
+# 163838, 163839); 11-15 are the tool-call markers.
 SPECIAL_OFFSETS = {
     0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>",
     6: "<|start_header_id|>", 7: "<|end_header_id|>", 9: "[EOT]", 10: "<|im_system|>",
+    11: "<|tool_calls_section_begin|>", 12: "<|tool_calls_section_end|>", 13: "<|tool_call_begin|>",
+    14: "<|tool_call_argument_begin|>", 15: "<|tool_call_end|>",
     17: "<|im_middle|>", 254: "[UNK]", 255: "[PAD]",
 }
+# The thinking releases (K2-Thinking, K2.5) add <think> and </think> (163606, 163607) and ship their template as
+# chat_template.jinja.
+THINK_OFFSETS = {22: "<think>", 23: "</think>"}
 
-# Every message is <|im_{role}|>{name or role}<|im_middle|>{content}<|im_end|>; a default system
-# message comes first when none is given; no BOS. Whitespace control (-) keeps the source layout out
-# of the output, so it renders the same with or without trim_blocks/lstrip_blocks. The templates are made of
-# these pieces:
+# The templates render what the released ones render (K2-Instruct's in tokenizer_config.json, K2-Thinking's and
+# K2.5's chat_template.jinja), written here from that behaviour:
+# - `tools` first, as one turn <|im_system|>tool_declare<|im_middle|>{tools as JSON}<|im_end|>;
+# - a default system turn when the first message is not a system one;
+# - each message <|im_{user|assistant|system}|>{name or role}<|im_middle|>{body}<|im_end|>; a tool result is a
+#   system-marked turn whose body is "## Return of {tool_call_id}\n{content}";
+# - an assistant turn with tool_calls: its content, then <|tool_calls_section_begin|>, per call
+#   <|tool_call_begin|>{id}<|tool_call_argument_begin|>{arguments}<|tool_call_end|>, <|tool_calls_section_end|>;
+# - the thinking releases: every assistant turn opens with its thinking, <think>{reasoning_content}</think>, kept
+#   only after the last assistant turn without tool calls (the turns of the current round, tool calls included),
+#   empty before it; K2-Thinking's generation prompt leaves <think> to the model, K2.5's opens it, or closes it at
+#   once when chat_template_kwargs say {"thinking": false}.
+# No BOS. Whitespace control (-) keeps the source layout out of the output, so it renders the same with or without
+# trim_blocks/lstrip_blocks. The templates are made of these pieces:
+_TOOLS = """\
+{%- if tools -%}
+<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>
+{%- endif -%}
+"""
 _DEFAULT_SYSTEM = """\
 {%- if not messages or messages[0]['role'] != 'system' -%}
 <|im_system|>system<|im_middle|>@SYSTEM@<|im_end|>
@@ -45,7 +67,7 @@ _ROLE = """\
 {{- message.get('name') or message['role'] -}}
 <|im_middle|>
 """
-_CONTENT = """\
+_TEXT = """\
   {%- set content = message.get('content') -%}
   {%- if content is string -%}
 {{- content -}}
@@ -56,6 +78,26 @@ _CONTENT = """\
       {%- endif -%}
     {%- endfor -%}
   {%- endif -%}
+"""
+_BODY = """\
+  {%- if message['role'] == 'tool' -%}
+## Return of {{ message.get('tool_call_id') }}
+{{ '' -}}
+  {%- endif -%}
+""" + _TEXT + """\
+  {%- if message['role'] == 'assistant' and message.get('tool_calls') -%}
+<|tool_calls_section_begin|>
+    {%- for call in message['tool_calls'] -%}
+<|tool_call_begin|>{{ call['id'] }}<|tool_call_argument_begin|>
+      {%- if call['function']['arguments'] is string -%}
+{{- call['function']['arguments'] -}}
+      {%- else -%}
+{{- call['function']['arguments'] | tojson -}}
+      {%- endif -%}
+<|tool_call_end|>
+    {%- endfor -%}
+<|tool_calls_section_end|>
+  {%- endif -%}
 <|im_end|>
 """
 _GENERATION_PROMPT = """\
@@ -63,32 +105,27 @@ _GENERATION_PROMPT = """\
 <|im_assistant|>assistant<|im_middle|>
 {%- endif -%}
 """
-CHAT_TEMPLATE = (_DEFAULT_SYSTEM.replace("@SYSTEM@", "You are a helpful assistant") + "{%- for message in messages -%}\n"
-                 + _ROLE + _CONTENT + "{%- endfor -%}\n" + _GENERATION_PROMPT)
-
-# The thinking releases (K2-Thinking, K2.5) add <think> and </think> as special tokens and ship their template as
-# chat_template.jinja. The model thinks between them before it answers; an assistant turn of an earlier round keeps
-# an empty <think></think> (its reasoning is dropped), the turns of the current round (after the last user message)
-# keep their reasoning_content. K2-Thinking's generation prompt leaves the opening <think> to the model; K2.5 opens
-# it in thinking mode (the default) and closes it at once when chat_template_kwargs say {"thinking": false}.
-THINK_OFFSETS = {22: "<think>", 23: "</think>"}
+CHAT_TEMPLATE = (_TOOLS + _DEFAULT_SYSTEM.replace("@SYSTEM@", "You are a helpful assistant")
+                 + "{%- for message in messages -%}\n" + _ROLE + _BODY + "{%- endfor -%}\n" + _GENERATION_PROMPT)
 
 _THINK = """\
   {%- if message['role'] == 'assistant' -%}
-    {%- if loop.index0 > ns.last_user and message.get('reasoning_content') -%}
-<think>{{- message['reasoning_content'] -}}</think>
+    {%- if loop.index0 > ns.last_answer -%}
+<think>{{- message.get('reasoning_content') or '' -}}</think>
     {%- else -%}
 <think></think>
     {%- endif -%}
   {%- endif -%}
 """
-_THINKING_BODY = (_DEFAULT_SYSTEM.replace("@SYSTEM@", "You are Kimi, an AI assistant created by Moonshot AI.") + """\
-{%- set ns = namespace(last_user=-1) -%}
+_THINKING_BODY = (_TOOLS + _DEFAULT_SYSTEM.replace("@SYSTEM@", "You are Kimi, an AI assistant created by Moonshot AI.")
+                  + """\
+{%- set ns = namespace(last_answer=-1) -%}
 {%- for message in messages -%}
-  {%- if message['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
+  {%- if message['role'] == 'assistant' and not message.get('tool_calls') -%}{%- set ns.last_answer = loop.index0 -%}
+  {%- endif -%}
 {%- endfor -%}
 {%- for message in messages -%}
-""" + _ROLE + _THINK + _CONTENT + "{%- endfor -%}\n")
+""" + _ROLE + _THINK + _BODY + "{%- endfor -%}\n")
 THINKING_TEMPLATE = _THINKING_BODY + _GENERATION_PROMPT
 K25_TEMPLATE = _THINKING_BODY + """\
 {%- if add_generation_prompt -%}

@@ -8,8 +8,8 @@ from __future__ import annotations
 import sys
 
 from k2trt.errors import K2Error
-from k2trt.runtime.commands.generate import (PrefillProgress, StreamPrinter, add_sampling_arguments, stop_rules,
-                                             to_sampling_params)
+from k2trt.runtime.commands.generate import (ChatPrinter, PrefillProgress, StreamPrinter, add_sampling_arguments,
+                                             chat_parser, stop_rules, to_sampling_params)
 from k2trt.runtime.commands.model import add_model_arguments, load_model, make_generator
 
 
@@ -54,7 +54,8 @@ def run(args) -> int:
             print(f"k2trt chat: error: {e} (this message was not sent; /reset starts over)", file=sys.stderr)
             continue
         history = turn
-        printer = StreamPrinter()
+        parser = chat_parser(tok, None)
+        printer = ChatPrinter(parser, args.hide_thinking) if parser is not None else StreamPrinter()
         progress = PrefillProgress([prompt], gen.limits.prefill_chunk, "k2trt chat")
 
         def on_prefill(request) -> None:
@@ -66,8 +67,13 @@ def run(args) -> int:
         results, timings = gen.generate([prompt], args.max_new_tokens, params, stops, on_text=printer,
                                         on_prefill=on_prefill)
         printer.finish()
-        # the reply as shown: cut at a stop string (generation ended there too), without stop tokens
-        history.append({"role": "assistant", "content": results[0].text})
+        # the reply as shown: cut at a stop string (generation ended there too), without stop tokens; a thinking
+        # template's reasoning kept apart (its template keeps the last round's)
+        if parser is None:
+            history.append({"role": "assistant", "content": results[0].text})
+        else:
+            history.append({"role": "assistant", "content": parser.content,
+                            **({"reasoning_content": parser.reasoning} if parser.reasoning else {})})
         t = timings.as_dict()
         print(f"[{len(prompt)} prompt tokens, {len(results[0].token_ids)} new; "
               f"decode {t['decode_tokens_per_s']} tok/s]", file=sys.stderr)

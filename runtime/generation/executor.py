@@ -4,6 +4,10 @@ A StageExecutor owns a backend, the latent cache of its layers and (on the stage
 slot. `run(plan)` applies the plan's slot operations, then embeds (first stage), runs its layers writing their
 cache in place, and applies the head and samples (last stage). A single process is one stage with every layer;
 a pipeline (runtime/distributed/) is several, with the hidden state passed between them — the same code.
+
+Log-probabilities are an output of the step beside its tokens (`take_logprobs`): of each sampled token, for the
+slots whose sampling asks; and of every prompt token, for the slots that ask for prompt log-probabilities — for
+those the head runs on every position of the prompt chunk, of that sequence only.
 """
 
 from __future__ import annotations
@@ -16,13 +20,20 @@ import torch
 from k2trt.config import K2Config
 from k2trt.runtime.backends.contract import Backend
 from k2trt.runtime.generation.cache import LatentCache
-from k2trt.runtime.generation.sampling import Sampler, sample_rows
+from k2trt.runtime.generation.sampling import Sampler, TokenLogprob, logprobs_of, sample_rows
 from k2trt.runtime.generation.step import Admit, Move, Release, RopeTable, StepPlan, StepTensors, Swap, step_tensors
 
 
 @dataclass
 class StageClock:
     backend_s: float = 0.0  # inside the backend's embed/block/head calls
+
+
+@dataclass
+class StepLogprobs:
+    """The log-probabilities a step produced, by the step's sequence index b."""
+    sampled: dict[int, TokenLogprob]  # of the token sampled (slots whose sampling has logprobs)
+    prompt: dict[int, list[TokenLogprob | None]]  # of each prompt token of the chunk (None: the prompt's first)
 
 
 class StageExecutor:
@@ -35,13 +46,14 @@ class StageExecutor:
         self.samplers: dict[int, Sampler] = {}
         self.rope = RopeTable(cfg)
         self.clock = StageClock()
+        self.logprobs = StepLogprobs({}, {})
 
     # ---- slot bookkeeping ------------------------------------------------------------------------------
     def apply(self, plan: StepPlan) -> None:
         for op in plan.ops:
             if isinstance(op, Admit):
                 if self.last:
-                    self.samplers[op.slot] = Sampler(op.sampling)
+                    self.samplers[op.slot] = Sampler(op.sampling, op.grammar)
             elif isinstance(op, Release):
                 self.samplers.pop(op.slot, None)
             elif isinstance(op, Move):
@@ -81,6 +93,8 @@ class StageExecutor:
 
     def sample(self, plan: StepPlan, st: StepTensors, hidden: torch.Tensor) -> list[int | None]:
         """The head on each sampling sequence's last real position, then each row's own sampler."""
+        self.logprobs = StepLogprobs({}, {})
+        self._prompt_logprobs(plan, hidden)
         rows = [b for b in range(plan.batch) if plan.sample[b]]
         out: list[int | None] = [None] * plan.batch
         if not rows:
@@ -90,8 +104,36 @@ class StageExecutor:
         t0 = time.perf_counter()
         logits = self.backend.head(last)[:, -1]
         self.clock.backend_s += time.perf_counter() - t0
-        for b, tok in zip(rows, sample_rows([self.samplers[plan.first + b] for b in rows], logits)):
+        samplers = [self.samplers[plan.first + b] for b in rows]
+        for b, s, tok in zip(rows, samplers, sample_rows(samplers, logits)):
             out[b] = tok
+            if s.chosen is not None:
+                self.logprobs.sampled[b] = s.chosen
+        return out
+
+    def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> None:
+        """For each sequence feeding prompt tokens that asks: the head on all its positions of the chunk, and the
+        log-probability of each prompt token from the logits before it — the previous chunk's last position for
+        the chunk's first token (kept in its sampler), none for the prompt's first."""
+        for b, tokens in enumerate(plan.tokens):
+            s = self.samplers.get(plan.first + b)
+            k = s.params.prompt_logprobs if s is not None else None
+            if k is None or (plan.starts[b] > 0 and s.prompt_tail is None):  # not asked, or the prompt is done
+                continue
+            t0 = time.perf_counter()
+            logits = self.backend.head(hidden[b:b + 1, :len(tokens)].contiguous())[0].float()
+            self.clock.backend_s += time.perf_counter() - t0
+            before = [s.prompt_tail] if s.prompt_tail is not None else []
+            rows = torch.cat([*before, logits[:len(tokens) - 1]]) if len(before) + len(tokens) > 1 else logits[:0]
+            targets = tokens if before else tokens[1:]
+            entries = logprobs_of(rows, targets, k) if targets else []
+            self.logprobs.prompt[b] = ([] if before else [None]) + entries
+            # the chunk's last position: the next chunk's first token, unless this chunk ends the prompt
+            s.prompt_tail = None if plan.sample[b] else logits[len(tokens) - 1:]
+
+    def take_logprobs(self) -> StepLogprobs:
+        """The last step's log-probabilities (read after `run`)."""
+        out, self.logprobs = self.logprobs, StepLogprobs({}, {})
         return out
 
     def run(self, plan: StepPlan) -> list[int | None]:

@@ -11,8 +11,12 @@ in float32 keeps only the most likely token, the limit as top-p goes to 0 — gr
 NaN distribution float32 would otherwise give. A temperature so large that the scaled logits underflow gives
 the uniform distribution, which is its limit as it is.
 
-`sample_rows` is where a step's rows meet their samplers: the place where a per-sequence mask (a grammar) would
-apply before the choice and where log-probabilities would be read after it.
+`sample_rows` is where a step's rows meet their samplers. A row decoded under a grammar (runtime/text/grammar.py)
+has the tokens its grammar forbids masked to -inf before the choice, in its own row only, so the other rows of the
+batch keep their tokens; its grammar then takes the token chosen. A row that asks for log-probabilities gets them
+after the choice: the log-softmax, in float32, of the logits its sampler saw (its grammar's mask applied, before
+temperature, top-k and top-p), for the chosen token and the most likely ones — so greedy's choice is always the
+first of them.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import torch
 
 from k2trt.args import MAX_SEED
 from k2trt.errors import K2Error
+
+MAX_LOGPROBS = 20  # the most alternatives a token's log-probabilities list (OpenAI's top_logprobs bound)
 
 
 # the largest value float32 rounds to 0: half its smallest subnormal (2**-149), which rounds to even, 0
@@ -52,6 +58,10 @@ _RULES = {
     "top_k": (lambda v: _integer(v) and v >= 0, "must be an integer >= 0"),
     "top_p": (lambda v: _number(v) and 0 < v <= 1, "must be in (0, 1]"),
     "seed": (lambda v: _integer(v) and 0 <= v <= MAX_SEED, f"must be an integer in 0..{MAX_SEED}"),
+    "logprobs": (lambda v: v is None or (_integer(v) and 0 <= v <= MAX_LOGPROBS),
+                 f"must be null or an integer in 0..{MAX_LOGPROBS}"),
+    "prompt_logprobs": (lambda v: v is None or (_integer(v) and 0 <= v <= MAX_LOGPROBS),
+                        f"must be null or an integer in 0..{MAX_LOGPROBS}"),
 }
 
 
@@ -67,6 +77,8 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     seed: int = 0
+    logprobs: int | None = None  # the chosen token's log-probability and this many alternatives; None: none
+    prompt_logprobs: int | None = None  # the same for every prompt token (from the prefill's logits); None: none
 
     def __post_init__(self):
         for f in fields(self):
@@ -87,12 +99,36 @@ DEFAULTS = SamplingParams()
 API_DEFAULTS = SamplingParams(temperature=1.0)
 
 
-class Sampler:
-    """One sequence's choice of tokens, with its own seeded random stream."""
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability and the most likely alternatives at its place, most likely first."""
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
-    def __init__(self, params: SamplingParams):
+
+def logprobs_of(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
+    """logits [n, V] (any dtype) and the n tokens chosen at those places -> their log-probabilities in float32."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(-1, torch.tensor(tokens, device=logp.device).unsqueeze(-1)).squeeze(-1).tolist()
+    if k:
+        values, ids = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
+        tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        tops = [()] * len(tokens)
+    return [TokenLogprob(t, lp, top) for t, lp, top in zip(tokens, chosen, tops)]
+
+
+class Sampler:
+    """One sequence's choice of tokens, with its own seeded random stream, its grammar's state (a matcher from
+    runtime/text/grammar.py, or None) and the log-probabilities of its last choice (`chosen`) when it asks."""
+
+    def __init__(self, params: SamplingParams, grammar=None):
         self.params = params
         self.gen = torch.Generator().manual_seed(params.seed)
+        self.matcher = grammar.matcher() if grammar is not None else None
+        self.chosen: TokenLogprob | None = None
+        self.prompt_tail: torch.Tensor | None = None  # the last prompt chunk's last logits (prompt_logprobs)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [B, V] -> token ids [B] int64, one uniform draw per row, rows in order."""
@@ -101,8 +137,9 @@ class Sampler:
         if p.greedy:
             return logits.argmax(dim=-1)
         scaled = logits / p.temperature
-        # a temperature float32 cannot divide by (it overflowed, or is 0 in float32): its limit, greedy
-        overflowed = ~torch.isfinite(scaled).all(dim=-1)
+        # a temperature float32 cannot divide by (it overflowed, or is 0 in float32): its limit, greedy; a token a
+        # grammar masked (-inf) is no overflow
+        overflowed = (~torch.isfinite(scaled) & torch.isfinite(logits)).any(dim=-1)
         if p.top_k:
             kth = torch.topk(scaled, min(p.top_k, scaled.shape[-1]), dim=-1).values[..., -1:]
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -121,9 +158,15 @@ class Sampler:
 
 
 def sample_rows(samplers: list[Sampler], logits: torch.Tensor) -> list[int]:
-    """One token for each row of `logits` [R, V], row r chosen by samplers[r]. The greedy rows draw nothing: one
-    argmax for all of them picks what each sampler would. The drawn rows go to the host in one copy (each sampler
-    copying its own row would be a device sync each) and are drawn by their own samplers."""
+    """One token for each row of `logits` [R, V], row r chosen by samplers[r]. Rows under a grammar are masked
+    first, each in place in its own row. The greedy rows draw nothing: one argmax for all of them picks what each
+    sampler would. The drawn rows go to the host in one copy (each sampler copying its own row would be a device
+    sync each) and are drawn by their own samplers. Then the rows that ask get their log-probabilities
+    (Sampler.chosen) and the grammars take their tokens."""
+    for r, s in enumerate(samplers):
+        if s.matcher is not None:
+            allowed = torch.from_numpy(s.matcher.allowed(logits.shape[-1])).to(logits.device)
+            logits[r].masked_fill_(~allowed, float("-inf"))
     out: list[int] = [0] * len(samplers)
     greedy = [r for r, s in enumerate(samplers) if s.params.greedy]
     if greedy:
@@ -135,4 +178,9 @@ def sample_rows(samplers: list[Sampler], logits: torch.Tensor) -> list[int]:
         host = logits[drawn].float().cpu()
         for k, r in enumerate(drawn):
             out[r] = int(samplers[r](host[k:k + 1])[0])
+    for r, s in enumerate(samplers):
+        if s.params.logprobs is not None:
+            s.chosen = logprobs_of(logits[r:r + 1], [out[r]], s.params.logprobs)[0]
+        if s.matcher is not None:
+            s.matcher.accept(out[r])
     return out

@@ -14,7 +14,9 @@ ranges. A finished or cancelled request frees its slot at once; the last request
 hole. A static batch (`k2trt generate`) is the same loop with every request submitted at the start.
 
 Each request brings its own stop rules (runtime/text/text_stream.StopRules): its stop ids end it, and its text
-stream, fed every kept token once, ends it at a stop string and gives the text to show.
+stream, fed every kept token once, ends it at a stop string and gives the text to show. A request may also bring a
+grammar its tokens follow (its sampler masks by it) and ask for log-probabilities (SamplingParams.logprobs,
+prompt_logprobs): the executor's step gives them beside the tokens, and the request keeps them with its tokens.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class Request:
     on_token: Callable[["Request", int, str], None] | None = None
     on_finish: Callable[["Request", str], None] | None = None  # its end, with the last of its text (held till now)
     on_prefill: Callable[["Request"], None] | None = None  # after each prompt chunk (progress of long prompts)
+    grammar: object = None  # a runtime/text/grammar.Grammar its tokens follow, or None
     id: int = field(default_factory=lambda: next(_ids))
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -59,6 +62,8 @@ class Request:
     submitted_at: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     finished_at: float | None = None
+    logprobs: list = field(default_factory=list)  # sampling.TokenLogprob of each token in token_ids (if asked)
+    prompt_logprobs: list = field(default_factory=list)  # of each prompt token, None for the first (if asked)
     text: TextStream | None = field(init=False)  # None without a tokenizer (token ids only)
 
     def __post_init__(self):
@@ -85,7 +90,7 @@ class SlotLayout:
 
     def add(self, req: Request) -> list[SlotOp]:
         self.order.append(req)
-        return [Admit(len(self.order) - 1, req.sampling)]
+        return [Admit(len(self.order) - 1, req.sampling, req.grammar)]
 
     def promote(self, req: Request) -> list[SlotOp]:
         """A prefilling request starts decoding: it moves to the front of the prefilling region."""
@@ -221,7 +226,18 @@ class Scheduler:
         ids = self.executor.run(plan)
         n = sum(len(t) for t in tokens) if kind == PREFILL else len(tokens)
         self.timings.add_step(kind, time.perf_counter() - t0, n)
+        if any(r.sampling.logprobs is not None or r.sampling.prompt_logprobs is not None for r in reqs):
+            self._keep_logprobs(reqs, self.executor.take_logprobs())
         return ids
+
+    @staticmethod
+    def _keep_logprobs(reqs: list[Request], step) -> None:
+        """The step's log-probabilities (executor.StepLogprobs) onto their requests, before their tokens are
+        accepted (a token's entry is there when its on_token runs)."""
+        for b, entries in step.prompt.items():
+            reqs[b].prompt_logprobs += entries
+        for b, entry in step.sampled.items():
+            reqs[b].logprobs.append(entry)
 
     def _capacity_for(self, step_needs: int) -> int:
         """The capacity a step writing up to `step_needs` positions runs at: enough for every running request and

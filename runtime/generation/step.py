@@ -27,6 +27,7 @@ PREFILL, DECODE = "prefill", "decode"
 class Admit:
     slot: int
     sampling: SamplingParams
+    grammar: object = None  # a runtime/text/grammar.Grammar the slot decodes under (one process only), or None
 
 
 @dataclass(frozen=True)

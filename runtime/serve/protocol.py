@@ -1,12 +1,15 @@
 """The OpenAI-compatible API: request bodies (validated, every bad field named) and response objects.
 
-Fields follow OpenAI's chat and completions APIs; `top_k`, `stop_token_ids` and `ignore_eos` are the extensions vLLM and
-SGLang accept too. Fields OpenAI defines that k2trt cannot honour (logprobs, tools, response formats) are refused
-with a 400 naming them rather than silently ignored; unknown fields are ignored, as OpenAI's servers do.
+Fields follow OpenAI's chat and completions APIs — tools and tool_choice, response_format, logprobs and
+top_logprobs (chat), logprobs and echo (completions) included; `top_k`, `stop_token_ids`, `ignore_eos` and
+`chat_template_kwargs` are the extensions vLLM and SGLang accept too. Fields OpenAI defines that k2trt cannot honour
+(best_of) are refused with a 400 naming them rather than silently ignored; unknown fields are ignored, as OpenAI's
+servers do. What a client sends is bounded: tools by count and size, schemas by size, template arguments by size.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import time
 import uuid
@@ -15,9 +18,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from k2trt.runtime.generation.sampling import API_DEFAULTS, MAX_SEED, SamplingParams, field_problem
+from k2trt.runtime.generation.sampling import API_DEFAULTS, MAX_LOGPROBS, MAX_SEED, SamplingParams, field_problem
 
 MAX_N = 16
+MAX_TOOLS = 128
+MAX_TOOLS_CHARS = 512 << 10  # all the tools, as JSON (each schema is bounded on its own too: grammar.MAX_SCHEMA_CHARS)
+MAX_TEMPLATE_KWARGS_CHARS = 16 << 10
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for the completions API (chat: top_logprobs <= MAX_LOGPROBS)
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1000  # each: stop strings are searched at every token
 MAX_TEMPERATURE = 2.0  # OpenAI's API takes 0..2
@@ -59,9 +67,6 @@ class _Sampling(BaseModel):
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    echo: Any = None
     best_of: Any = None
 
     @field_validator("temperature", "top_p", "top_k", "seed")
@@ -84,11 +89,8 @@ class _Sampling(BaseModel):
 
     @model_validator(mode="after")
     def _unsupported(self):
-        asked = {"logprobs": bool(self.logprobs), "top_logprobs": self.top_logprobs not in (None, 0),
-                 "echo": bool(self.echo), "best_of": self.best_of not in (None, 1)}
-        for name, yes in asked.items():
-            if yes:
-                raise ValueError(f"{name} is not supported")
+        if self.best_of not in (None, 1):
+            raise ValueError("best_of is not supported")
         return self
 
     def stops(self) -> list[str]:
@@ -99,7 +101,10 @@ class _Sampling(BaseModel):
         choice i draws with seed + i, and a request without a seed gets a random one for each choice."""
         seed = (self.seed + choice) % (MAX_SEED + 1) if self.seed is not None else random.randrange(MAX_SEED + 1)
         given = {k: v for k in ("temperature", "top_k", "top_p") if (v := getattr(self, k)) is not None}
-        return replace(API_DEFAULTS, **given, seed=seed)
+        return replace(API_DEFAULTS, **given, seed=seed, **self.logprob_params())
+
+    def logprob_params(self) -> dict:
+        return {}
 
 
 MEDIA_PARTS = ("image", "input", "video", "audio")  # image_url, input_image, input_audio, video_url, ...
@@ -111,11 +116,27 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str  # JSON, as text (checked when the conversation is encoded: runtime/text/messages.py)
+
+
+class ToolCallParam(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "developer"]  # no tools: a "tool" message is refused
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    reasoning_content: str | None = None  # an assistant turn's thinking (templates that think keep the last round's)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -128,34 +149,166 @@ class ChatMessage(BaseModel):
                     raise ValueError(f"{kind} parts are not supported: this server runs the text model only")
         return content
 
+    @model_validator(mode="after")
+    def _role_fields(self):
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
 
+    def for_template(self) -> dict:
+        """The message as the chat template gets it (runtime/text/messages.py checks it): OpenAI's "developer"
+        role is its system role."""
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        return out
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of type object; none: no arguments
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, v):
+        if v is not None and v.get("type", "object") != "object":
+            raise ValueError("must be a JSON schema of type object (a function's arguments are an object)")
+        return v
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def for_template(self) -> dict:
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("a json_schema response format needs its json_schema")
+        return self
+
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    tools: Any = None
-    tool_choice: Any = None
-    response_format: Any = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, tools):
+        if tools:
+            names = [t.function.name for t in tools]
+            if len(set(names)) != len(names):
+                raise ValueError("two tools have the same function name")
+            size = len(json.dumps([t.model_dump(exclude_none=True) for t in tools], ensure_ascii=False))
+            if size > MAX_TOOLS_CHARS:
+                raise ValueError(f"the tools are {size:,} characters as JSON (the limit is {MAX_TOOLS_CHARS:,})")
+        return tools
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, kwargs):
+        if kwargs:
+            bad = [k for k in kwargs if not k.isidentifier() or k in RESERVED_TEMPLATE_NAMES]
+            if bad:
+                raise ValueError(f"{bad[0]!r} cannot be set (it is not a name, or the server sets it)")
+            if len(json.dumps(kwargs, ensure_ascii=False)) > MAX_TEMPLATE_KWARGS_CHARS:
+                raise ValueError(f"at most {MAX_TEMPLATE_KWARGS_CHARS:,} characters as JSON")
+        return kwargs
 
     @model_validator(mode="after")
-    def _chat_unsupported(self):
-        if self.tools:
-            raise ValueError("tools is not supported")
-        if self.response_format not in (None, {"type": "text"}):
-            raise ValueError("response_format is not supported")
+    def _tool_fields(self):
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in self.tool_names():
+            raise ValueError(f"tool_choice names function {choice.function.name!r}, which is not in tools")
+        if choice == "required" and not self.tools:
+            raise ValueError("tool_choice \"required\" needs tools")
+        if self.forced_tools() and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("response_format cannot constrain an answer that tool_choice forces to be a tool call")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    def tool_names(self) -> list[str]:
+        return [t.function.name for t in self.tools or []]
+
+    def tools_active(self) -> bool:
+        """Whether the answer may call tools (the tools are declared, and tool_choice is not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def forced_tools(self) -> list[Tool]:
+        """The tools a grammar makes the answer call: every one under "required", the named one, else none."""
+        if not self.tools or self.tool_choice in (None, "auto", "none"):
+            return []
+        if self.tool_choice == "required":
+            return list(self.tools)
+        return [t for t in self.tools if t.function.name == self.tool_choice.function.name]
+
+    def logprob_params(self) -> dict:
+        return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
 
     def new_tokens(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default
 
 
+# what a chat template is given by the server, never by chat_template_kwargs
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                                     "pad_token", "unk_token"})
+
+
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool = False
+
+    def logprob_params(self) -> dict:
+        return {"logprobs": self.logprobs, "prompt_logprobs": self.logprobs if self.echo else None}
 
     @field_validator("prompt")
     @classmethod
@@ -188,6 +341,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def finish_reason(reason: str | None) -> str | None:
     """Ours -> OpenAI's: a stop token or a stop string is "stop", the length limit "length"."""
     return {"stop_token": "stop", "stop_string": "stop", "length": "length"}.get(reason, reason)
+
+
+def chat_finish_reason(reason: str | None, called_tools: bool) -> str | None:
+    """A chat answer that called tools and stopped by itself ends with "tool_calls"."""
+    out = finish_reason(reason)
+    return "tool_calls" if called_tools and out == "stop" else out
 
 
 def now() -> int:

@@ -2,8 +2,11 @@
 OpenAIServing objects: the scheduler thread, the tokenizer, what is served (ServeConfig) and the metrics.
 
 A validated body (protocol.py) becomes one scheduler Request per prompt and choice, each with the body's stop
-rules and its choice's sampling; they are submitted to the scheduler thread, and their text (decoded once, in
-that thread) comes back as it is generated: joined into one response object, or sent as server-sent events.
+rules, its choice's sampling (log-probabilities included) and, for a chat whose answer is forced, its grammar
+(answer_shape.py); they are submitted to the scheduler thread, and their text (decoded once, in that thread) comes
+back as it is generated: joined into one response object, or sent as server-sent events. A chat's text is split
+into reasoning_content, content and tool_calls by one parser per choice (runtime/text/chat_output.py), fed as the
+text comes, so a stream's deltas join to the whole answer.
 """
 
 from __future__ import annotations
@@ -20,9 +23,13 @@ from k2trt.errors import K2Error
 from k2trt.runtime.generation.limits import ContextTooLong, RequestError
 from k2trt.runtime.generation.scheduler import FINISH_CANCELLED
 from k2trt.runtime.generation.scheduler import Request as GenRequest
-from k2trt.runtime.serve import protocol
+from k2trt.runtime.serve import logprob_objects, protocol
+from k2trt.runtime.serve.answer_shape import AnswerShape, answer_shape
 from k2trt.runtime.serve.metrics import LOG, Metrics
 from k2trt.runtime.serve.scheduler_thread import End, Handle, QueueFull, SchedulerThread, ShuttingDown
+from k2trt.runtime.text.chat_output import Delta
+from k2trt.runtime.text.grammar import Grammars
+from k2trt.runtime.text.messages import MessageError
 from k2trt.runtime.text.text_stream import StopRules
 
 DISCONNECT_POLL_S = 0.25
@@ -43,10 +50,18 @@ class Choice:
     prompt: int  # index of its prompt in the body
     index: int  # its index among the response's choices
     handle: Handle
+    shape: AnswerShape | None = None  # a chat's answer shape
+    echo: str = ""  # a completion's prompt text, when the body asks for it back
 
     @property
     def request(self) -> GenRequest:
         return self.handle.request
+
+    def shown(self, start: int, stop: int) -> list:
+        """The log-probabilities of tokens start..stop-1 that show (a stop token never does)."""
+        req = self.request
+        hidden = req.stops.hidden
+        return [e for t, e in zip(req.token_ids[start:stop], req.logprobs[start:stop]) if t not in hidden]
 
 
 class Serving:
@@ -54,6 +69,9 @@ class Serving:
         self.scheduler_thread, self.tokenizer, self.config = scheduler_thread, tokenizer, config
         self.metrics = Metrics(scheduler_thread)
         scheduler_thread.on_done = self.metrics.generation_done
+        self.grammars = Grammars(tokenizer)
+        # grammars and log-probabilities need the sampler in this process (a pipeline's last rank samples)
+        self.constrains = hasattr(scheduler_thread.scheduler.executor, "take_logprobs")
 
     # ---- what the routes ask ---------------------------------------------------------------------------
     def stopped(self) -> protocol.APIError | None:
@@ -68,16 +86,39 @@ class Serving:
 
     async def chat(self, body: protocol.ChatCompletionRequest, request: Request):
         self._check_model(body.model)
+        self._check_constraints(body.logprobs, body.forced_tools() or (body.response_format is not None
+                                                                      and body.response_format.type != "text"))
+
+        def prepare():
+            shape = answer_shape(body, self.tokenizer, self.grammars)
+            return shape, chat_prompt(self.tokenizer, body.messages, shape.template_kwargs)
+
         # rendering and tokenizing a 4 MiB body takes a while: off the event loop, which streams every request
-        prompt = await asyncio.to_thread(chat_prompt, self.tokenizer, body.messages)
-        return await self._generate(request, body, [prompt], chat=True)
+        shape, prompt = await asyncio.to_thread(prepare)
+        return await self._generate(request, body, [prompt], chat=True, shape=shape)
 
     async def completions(self, body: protocol.CompletionRequest, request: Request):
         self._check_model(body.model)
+        self._check_constraints(body.logprobs is not None, False)
         encode = self.tokenizer.encode
         prompts = await asyncio.to_thread(lambda: [encode(p) if isinstance(p, str) else list(p)
                                                    for p in body.prompts()])
-        return await self._generate(request, body, prompts, chat=False)
+        echoes = None
+        if body.echo:
+            echoes = [p if isinstance(p, str) else self._decode(p) for p in body.prompts()]
+        return await self._generate(request, body, prompts, chat=False, echoes=echoes)
+
+    def _decode(self, ids: list[int]) -> str:
+        try:
+            return self.tokenizer.decode(ids)
+        except K2Error as e:
+            raise protocol.APIError(400, str(e), param="prompt") from None
+
+    def _check_constraints(self, logprobs: bool, grammar: bool) -> None:
+        if not self.constrains and (logprobs or grammar):
+            what = "logprobs" if logprobs else "a forced answer (tool_choice required or named, response_format)"
+            raise protocol.APIError(400, f"{what} is not supported with --pipeline yet: the last pipeline rank samples",
+                                    param="logprobs" if logprobs else "tool_choice")
 
     def _check_model(self, name: str) -> None:
         if name != self.config.model_name:
@@ -85,14 +126,16 @@ class Serving:
                                          f"`{self.config.model_name}`)", param="model", code="model_not_found")
 
     # ---- generation ----------------------------------------------------------------------------------------
-    async def _generate(self, request: Request, body, prompts: list[list[int]], chat: bool):
+    async def _generate(self, request: Request, body, prompts: list[list[int]], chat: bool,
+                        shape: AnswerShape | None = None, echoes: list[str] | None = None):
         t0 = time.monotonic()
-        choices = self._submit(body, prompts, chat, asyncio.get_running_loop())
+        choices = self._submit(body, prompts, chat, asyncio.get_running_loop(), shape, echoes)
         kind = "chat.completion" if chat else "text_completion"
         rid = protocol.new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._stream(request, choices, rid, kind, body.model, chat, include_usage, t0),
+            return StreamingResponse(self._stream(request, choices, rid, kind, body.model, chat, include_usage, t0,
+                                                  body),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         texts = {c.index: "" for c in choices}
         try:
@@ -101,12 +144,13 @@ class Serving:
                     texts[c.index] += text
         finally:
             _cancel(choices)
-        out = [_choice(c.index, texts[c.index], c.request, chat) for c in choices]
+        out = [self._choice(c, texts[c.index], body, chat) for c in choices]
         _finish_log(choices, rid, t0, chat)
         return {"id": rid, "object": kind, "created": protocol.now(), "model": body.model, "choices": out,
                 "usage": _usage(choices)}
 
-    def _submit(self, body, prompts: list[list[int]], chat: bool, loop) -> list[Choice]:
+    def _submit(self, body, prompts: list[list[int]], chat: bool, loop, shape: AnswerShape | None,
+                echoes: list[str] | None) -> list[Choice]:
         """Every prompt's n choices, submitted; an error for any refuses them all (the HTTP error to answer)."""
         stops = StopRules.of(self.tokenizer, body.stops(), body.stop_token_ids or (), body.ignore_eos)
         choices: list[Choice] = []
@@ -115,8 +159,10 @@ class Serving:
                 # without max_tokens a completion may take the rest of the context
                 max_new = body.new_tokens(max(1, self.config.max_context - len(prompt)))
                 for c in range(body.n):
-                    req = GenRequest(list(prompt), max_new, body.to_sampling_params(c), stops)
-                    choices.append(Choice(pi, len(choices), self.scheduler_thread.submit(req, loop)))
+                    req = GenRequest(list(prompt), max_new, body.to_sampling_params(c), stops,
+                                     grammar=shape.grammar if shape else None)
+                    choices.append(Choice(pi, len(choices), self.scheduler_thread.submit(req, loop), shape,
+                                          echoes[pi] if echoes else ""))
         except QueueFull as e:
             _cancel(choices)
             raise protocol.APIError(429, f"too many requests are waiting ({e}); retry later", type_="rate_limit_error",
@@ -131,6 +177,42 @@ class Serving:
             _cancel(choices)
             raise protocol.APIError(400, str(e)) from None
         return choices
+
+    def _choice(self, c: Choice, text: str, body, chat: bool) -> dict:
+        """One choice of a whole response: a chat message split as its shape says, or a completion's text (after
+        its prompt, with echo); log-probabilities where asked."""
+        req = c.request
+        if not chat:
+            logprobs = self._completion_logprobs(c, 0, len(req.token_ids), body) if body.logprobs is not None else None
+            return {"index": c.index, "text": c.echo + text, "finish_reason": protocol.finish_reason(req.finish_reason),
+                    "logprobs": logprobs}
+        parser = c.shape.parser() if c.shape else None
+        message = {"role": "assistant", "content": text}
+        calls = []
+        if parser is not None:
+            parser.feed(text)
+            parser.finish()
+            calls = parser.tool_calls
+            message["content"] = parser.content or (None if calls else "")
+            if c.shape.reasoning:
+                message["reasoning_content"] = parser.reasoning or None
+            if calls:
+                message["tool_calls"] = [call.as_openai() for call in calls]
+        logprobs = {"content": logprob_objects.chat_entries(self.tokenizer, c.shown(0, len(req.token_ids)))} \
+            if body.logprobs else None
+        return {"index": c.index, "message": message, "logprobs": logprobs,
+                "finish_reason": protocol.chat_finish_reason(req.finish_reason, bool(calls))}
+
+    def _completion_logprobs(self, c: Choice, start: int, stop: int, body) -> dict:
+        """The completions API's logprobs of tokens start..stop-1 (with echo, the prompt's come first, once)."""
+        req, tok = c.request, self.tokenizer
+        ids = [t for t in req.token_ids[start:stop] if t not in req.stops.hidden]
+        out = None
+        if body.echo and start == 0:
+            out = logprob_objects.completion_logprobs(tok, req.prompt_logprobs, req.prompt)
+        offset = len(c.echo) + sum(len(tok.id_to_bytes(t).decode("utf-8", errors="replace"))
+                                   for t in req.token_ids[:start] if t not in req.stops.hidden)
+        return logprob_objects.join(out, logprob_objects.completion_logprobs(tok, c.shown(start, stop), ids, offset))
 
     async def _texts(self, request: Request, handle: Handle, end: list | None = None):
         """A request's text as it comes, the last of it included; cancels it if the client goes away. `end` (a
@@ -155,7 +237,7 @@ class Serving:
             yield item
 
     async def _stream(self, request: Request, choices: list[Choice], rid: str, kind: str, model: str, chat: bool,
-                      include_usage: bool, t0: float):
+                      include_usage: bool, t0: float, body=None):
         created = protocol.now()
 
         def chunk(parts, usage=None):
@@ -172,6 +254,7 @@ class Serving:
             ends: dict[int, list] = {c.index: [] for c in choices}
             texts = {c.index: self._texts(request, c.handle, ends[c.index]) for c in choices}
             by_index = {c.index: c for c in choices}
+            streams = {c.index: _ChoiceStream(self, c, body, chat) for c in choices}
             # interleave the choices as their text arrives
             pending = {asyncio.ensure_future(anext(q)): i for i, q in texts.items()}
             while pending:
@@ -184,10 +267,11 @@ class Serving:
                         req = by_index[i].request
                         if req.finish_reason in (None, FINISH_CANCELLED) or not ends[i]:
                             continue  # the client went away
-                        yield chunk([_delta(i, ends[i][0].text, protocol.finish_reason(req.finish_reason), chat)])
+                        yield chunk([streams[i].last(ends[i][0].text)])
                         continue
-                    if text:
-                        yield chunk([_delta(i, text, None, chat)])
+                    part = streams[i].token(text)
+                    if part is not None:
+                        yield chunk([part])
                     pending[asyncio.ensure_future(anext(texts[i]))] = i
             if include_usage:
                 yield chunk([], _usage(choices))
@@ -197,12 +281,72 @@ class Serving:
             _cancel(choices)
 
 
-def chat_prompt(tokenizer, messages: list[protocol.ChatMessage]) -> list[int]:
+class _ChoiceStream:
+    """One choice's stream: each token's text through its parser (chat) into a delta, with the log-probabilities of
+    the tokens since the last chunk sent (a token whose text is held back sends its entry with the next chunk)."""
+
+    def __init__(self, serving: Serving, choice: Choice, body, chat: bool):
+        self.serving, self.choice, self.body, self.chat = serving, choice, body, chat
+        self.parser = choice.shape.parser() if chat and choice.shape else None
+        self.tokens = self.sent = 0  # tokens seen, tokens whose log-probabilities were sent
+        self.echo = choice.echo  # sent with the first chunk
+        self.called = False
+
+    def _logprobs(self) -> dict | list | None:
+        start, self.sent = self.sent, self.tokens
+        if self.chat:
+            if not self.body.logprobs:
+                return None
+            return {"content": logprob_objects.chat_entries(self.serving.tokenizer, self.choice.shown(start, self.tokens))}
+        if self.body.logprobs is None:
+            return None
+        return self.serving._completion_logprobs(self.choice, start, self.tokens, self.body)
+
+    def token(self, text: str) -> dict | None:
+        self.tokens += 1
+        delta = self.parser.feed(text) if self.parser else Delta(content=text)
+        if not delta and not self.echo:
+            return None
+        return self._part(delta, None)
+
+    def last(self, rest: str) -> dict:
+        delta = self.parser.feed(rest) if self.parser else Delta(content=rest)
+        if self.parser:
+            tail = self.parser.finish()
+            delta = Delta(delta.reasoning + tail.reasoning, delta.content + tail.content, delta.calls + tail.calls)
+        req = self.choice.request
+        reason = protocol.chat_finish_reason(req.finish_reason, self.called or bool(delta.calls)) if self.chat else \
+            protocol.finish_reason(req.finish_reason)
+        return self._part(delta, reason)
+
+    def _part(self, delta: Delta, reason) -> dict:
+        index = self.choice.index
+        if not self.chat:
+            text, self.echo = self.echo + delta.content, ""
+            return {"index": index, "text": text, "finish_reason": reason, "logprobs": self._logprobs()}
+        d = {}
+        if delta.reasoning:
+            d["reasoning_content"] = delta.reasoning
+        if delta.content:
+            d["content"] = delta.content
+        if delta.calls:
+            self.called = True
+            d["tool_calls"] = [c.as_openai() for c in delta.calls]
+        part = {"index": index, "delta": d, "finish_reason": reason}
+        logprobs = self._logprobs()
+        if logprobs is not None:
+            part["logprobs"] = logprobs
+        return part
+
+
+def chat_prompt(tokenizer, messages: list[protocol.ChatMessage], template_kwargs: dict | None = None) -> list[int]:
     """The conversation through the checkpoint's chat template (runtime/text/messages.py: message contents stay
-    text, only the template's markers are special tokens). OpenAI's "developer" role is its system role."""
+    text, only the template's markers are special tokens), with the request's tools and template arguments; a
+    conversation the template cannot take is a 400 naming the field at fault."""
     try:
-        return tokenizer.encode_chat([{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
-                                       **({"name": m.name} if m.name else {})} for m in messages])
+        return tokenizer.encode_chat([m.for_template() for m in messages], **(template_kwargs or {}))
+    except MessageError as e:
+        raise protocol.APIError(400, str(e), param=e.field) from None
     except K2Error as e:
         raise protocol.APIError(400, str(e), param="messages") from None
 
@@ -223,20 +367,6 @@ def _cancel(choices: list[Choice]) -> None:
     for c in choices:
         if not c.request.done:
             c.handle.cancel()
-
-
-def _choice(index: int, text: str, req: GenRequest, chat: bool) -> dict:
-    reason = protocol.finish_reason(req.finish_reason)
-    if chat:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                "logprobs": None}
-    return {"index": index, "text": text, "finish_reason": reason, "logprobs": None}
-
-
-def _delta(index: int, text: str, reason, chat: bool) -> dict:
-    if chat:
-        return {"index": index, "delta": {"content": text} if text else {}, "finish_reason": reason}
-    return {"index": index, "text": text, "finish_reason": reason, "logprobs": None}
 
 
 def _usage(choices: list[Choice]) -> dict:

@@ -208,6 +208,10 @@ class KimiTokenizer:
         except KeyError:
             raise K2Error(f"tokenizer {self.source}: no token named {name!r}") from None
 
+    def has_token(self, name: str) -> bool:
+        """Whether `name` is one of its named special tokens (</think> in the thinking releases)."""
+        return name in self._specials and not name.startswith("<|reserved_token_")
+
     def id_to_bytes(self, token_id: int) -> bytes:
         try:
             return self._enc.decode_single_token_bytes(token_id)
