@@ -1,8 +1,10 @@
-"""Many devices on a CPU: the placement planner at K2 size, and pipeline stages as real processes over gloo.
+"""Many devices on a CPU: the placement planner at K2 size, and pipeline stages and expert-parallel ranks as real
+processes over gloo.
 
 Greedy and seeded tokens of a ragged batch (with an early stop token and a stop string) must equal the single
-process's at world sizes 1, 2 and 3; a rank that fails ends every rank with one line; torchrun runs the same
-command."""
+process's at world sizes 1, 2 and 3, at EP 2 and 4, PP 2 × EP 2 and PP 2 with 2 micro-batches in flight, and under a
+router that sends every token to one rank's experts; a rank that fails, or is killed mid-step, ends every rank with
+one line; torchrun runs the same command."""
 
 from __future__ import annotations
 
@@ -158,6 +160,35 @@ def test_pipeline_tokens_equal_the_single_process(tiny_ckpt, tiny_export, single
         assert results(generate(tiny_ckpt, tiny_export, sampled)) == seeded
 
 
+SAMPLED = ["--temperature", "0.9", "--top-p", "0.95", "--seed", "7"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["--expert-parallel 2", "--expert-parallel 4", "--pipeline 2 --expert-parallel 2",
+                                    "--pipeline 2 --micro-batches 2"])
+def test_expert_parallel_and_micro_batches_give_the_single_process_tokens(tiny_ckpt, tiny_export, tiny_ep_exports,
+                                                                          single, layout):
+    """Three ragged sequences with early stops: at EP 4 one rank holds none of them and serves its experts; with
+    2 micro-batches in flight the lanes hold two and one."""
+    rules, greedy, seeded = single
+    flags = layout.split()
+    e = int(flags[flags.index("--expert-parallel") + 1]) if "--expert-parallel" in flags else 1
+    onnx = tiny_ep_exports[e] if e > 1 else tiny_export
+    assert results(generate(tiny_ckpt, onnx, rules + flags + ["--dist-timeout", "60"])) == greedy
+    assert results(generate(tiny_ckpt, onnx, rules + SAMPLED + flags + ["--dist-timeout", "60"])) == seeded
+
+
+@pytest.mark.slow
+def test_a_router_choosing_one_ranks_experts_gives_the_single_process_tokens(tiny_ckpt, tiny_ep_exports, tmp_path):
+    """Every token's every expert on rank 0 (a correction bias in a copy of the checkpoint): rank 1 computes no
+    expert, rank 0 all of them, and the tokens are still one process's."""
+    from test_expert_parallel import one_rank_router
+
+    biased = one_rank_router(tiny_ckpt, tmp_path / "biased")
+    alone = results(generate(biased, tiny_ep_exports[2], []))
+    assert results(generate(biased, tiny_ep_exports[2], ["--expert-parallel", "2", "--dist-timeout", "60"])) == alone
+
+
 @pytest.mark.slow
 def test_an_explicit_stage_split_gives_the_same_tokens(tiny_ckpt, tiny_export, single):
     rules, greedy, _ = single
@@ -239,6 +270,35 @@ def test_a_killed_rank_ends_every_rank(tiny_ckpt, tiny_export):
 
 
 @pytest.mark.slow
+def test_a_rank_killed_mid_step_ends_every_expert_parallel_rank(tiny_ckpt, tiny_ep_exports):
+    """EP 2 × PP 2: an expert-parallel rank of the last stage, SIGKILLed while the ranks step (rank 0 streaming),
+    ends the run in one line within the timeout: its stage partner loses it in an all-to-all, rank 0 waiting for
+    ids, the launcher names it."""
+    import signal
+
+    from servers import HANG_S, wait_until
+
+    args = ["generate", "--model", str(tiny_ckpt), "--onnx", str(tiny_ep_exports[2]), "--prompt", "Hi",
+            "--max-new-tokens", "5000", "--max-context", "8000", "--pipeline", "2", "--expert-parallel", "2",
+            "--dist-timeout", "20"]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(K2TRT + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        victim = wait_until(lambda: _child_with_rank(proc.pid, 3), "rank 3 to start", every_s=0.1)
+        assert proc.stdout.read(1), "rank 0 streamed nothing"
+        os.kill(victim, signal.SIGKILL)
+        out, err = proc.communicate(timeout=HANG_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    lines = err.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, err[-2000:]
+    assert lines[0].startswith("k2trt generate: error: rank 3 ") and "signal 9" in lines[0], lines
+    assert time.monotonic() - t0 < HANG_S
+
+
+@pytest.mark.slow
 def test_torchrun_runs_the_same_command(tiny_ckpt, tiny_export, single):
     rules, greedy, _ = single
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
@@ -255,13 +315,67 @@ def test_torchrun_runs_the_same_command(tiny_ckpt, tiny_export, single):
         == greedy
 
 
-@pytest.mark.slow
-def test_bench_reports_the_pipeline_against_one_process(tiny_ckpt, tiny_export):
-    r = subprocess.run(K2TRT + ["bench", "--model", str(tiny_ckpt), "--onnx", str(tiny_export), "--pipeline", "2",
-                                "--batch", "2", "--prompt-len", "8", "--new-tokens", "4", "--repeat", "1", "--json"],
+def bench(tiny_ckpt, onnx, *flags):
+    r = subprocess.run(K2TRT + ["bench", "--model", str(tiny_ckpt), "--onnx", str(onnx), "--batch", "2",
+                                "--prompt-len", "8", "--new-tokens", "4", "--repeat", "1", "--json", *flags],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_bench_reports_the_pipeline_against_one_process(tiny_ckpt, tiny_export):
+    out = bench(tiny_ckpt, tiny_export, "--pipeline", "2", "--micro-batches", "1,2")
     single, piped = out["single_process"], out["pipeline"]
     assert single["ms_per_decode_step"] > 0 and piped["ms_per_decode_step"] > 0 and piped["stages"] == 2
     assert 0 <= piped["transfer_share"] < 1
+    assert [run["micro_batches"] for run in out["runs"]] == [1, 2] and all(
+        run["decode_tokens_per_s"] > 0 for run in out["runs"])
+
+
+@pytest.mark.slow
+def test_bench_reports_the_all_to_all_of_expert_parallel_ranks(tiny_ckpt, tiny_ep_exports):
+    out = bench(tiny_ckpt, tiny_ep_exports[2], "--expert-parallel", "2")
+    piped, cfg = out["pipeline"], K2Config.from_json(tiny_ckpt)
+    assert out["expert_parallel"] == 2 and out["stages"] == 1 and out["single_process"]["ms_per_decode_step"] > 0
+    assert 0 < piped["all_to_all_share"] < 1
+    # a decode step of two sequences: each rank sends the other its pairs for the other's experts and gets their
+    # outputs back, at most 2 × k rows of d float32 each way per MoE layer (and the counts)
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    most = moe_layers * 2 * (2 * cfg.num_experts_per_tok * cfg.hidden_size * 4 + cfg.n_routed_experts * 8)
+    assert 0 < piped["bytes_per_decode_step"] <= most
+
+
+@pytest.mark.slow
+def test_serve_over_expert_parallel_ranks_and_micro_batches(tiny_ckpt, tiny_export, tiny_ep_exports):
+    """`serve --pipeline 2 --expert-parallel 2 --micro-batches 2`: requests arriving together, greedy and seeded,
+    get the text one process generates for each alone."""
+    import concurrent.futures as cf
+
+    from servers import Server
+
+    from k2trt.checkpoint import Checkpoint
+    from k2trt.runtime.backends.factory import BackendChoice, open_backend
+    from k2trt.runtime.generation.generator import Generator
+    from k2trt.runtime.generation.sampling import SamplingParams
+    from k2trt.runtime.text.text_stream import StopRules
+    from k2trt.runtime.text.tokenizer import KimiTokenizer
+
+    ckpt, tok = Checkpoint.open(tiny_ckpt), KimiTokenizer.from_dir(tiny_ckpt)
+    gen = Generator(open_backend(BackendChoice("ort", tiny_export), ckpt), ckpt.config)
+    cases = [(p, SamplingParams(temperature=t, top_p=tp, seed=s)) for p in PROMPTS
+             for t, tp, s in ((0.0, 1.0, 0), (0.9, 0.95, 7))]
+    alone = [gen.generate([tok.encode(p)], 10, params, StopRules.of(tok))[0][0].text for p, params in cases]
+    s = Server(tiny_ckpt, tiny_ep_exports[2], "--pipeline", "2", "--expert-parallel", "2", "--micro-batches", "2",
+               "--max-context", "512", "--dist-timeout", "60")
+    try:
+        def ask(case):
+            prompt, params = case
+            r = s.client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=params.temperature,
+                                            top_p=params.top_p, seed=params.seed)
+            return r.choices[0].text
+
+        with cf.ThreadPoolExecutor(len(cases)) as pool:
+            assert list(pool.map(ask, cases)) == alone
+    finally:
+        assert s.stop() == 0, s.output()

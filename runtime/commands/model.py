@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from k2trt.args import at_least, int_in
+from k2trt.args import at_least, int_in, int_list
 from k2trt.errors import K2Error
 from k2trt.hub import model_dir
 from k2trt.runtime.backends.contract import Backend
@@ -28,8 +28,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="refuse prompts + new tokens longer than this (default: the model's maximum)")
 
 
-def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
-    """For the commands that run as pipeline stages (generate, serve, bench); chat is one process."""
+def add_pipeline_arguments(p: argparse.ArgumentParser, micro_batch_list: bool = False) -> None:
+    """For the commands that run as pipeline stages (generate, serve, bench); chat is one process. bench takes a
+    list of micro-batch counts (each measured in the same run)."""
     g = p.add_argument_group("pipeline parallelism")
     g.add_argument("--pipeline", type=int_in(1, MAX_LOCAL_RANKS), default=None, metavar="N",
                    help="run as N pipeline stages on this machine, one process each (across nodes: torchrun)")
@@ -39,9 +40,11 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
                    help="E expert-parallel ranks per stage: each holds 1/E of every MoE block's routed experts and "
                         "runs its own requests' attention (needs `k2trt export --expert-parallel E`); with "
                         "--pipeline P, P x E processes")
-    g.add_argument("--micro-batches", type=at_least(1), default=1, metavar="M",
+    g.add_argument("--micro-batches", type=int_list(1) if micro_batch_list else at_least(1),
+                   default=[1] if micro_batch_list else 1, metavar="M" + (",..." if micro_batch_list else ""),
                    help="requests dealt to M micro-batches, up to one per stage in flight, so the stages work at "
-                        "once (default 1)")
+                        "once (default 1)" + ("; several counts are measured one after another" if micro_batch_list
+                                              else ""))
     g.add_argument("--dist-timeout", type=float, default=None, metavar="SECONDS",
                    help="how long a step may wait for another rank before giving up (default 120)")
 
@@ -130,9 +133,12 @@ def progress_line(prefix: str, doing: str = "binding weights", stream=None):
     return show
 
 
-def load_model(args, choice: BackendChoice | None = None, command: str = "generate") -> LoadedModel:
+def load_model(args, choice: BackendChoice | None = None, command: str = "generate",
+               micro_batches: int | None = None) -> LoadedModel:
+    """micro_batches: the lanes rank 0's scheduler deals requests to (default --micro-batches)."""
     from k2trt.runtime.distributed.world import DEFAULT_TIMEOUT_S, launched
 
+    micro_batches = micro_batches or getattr(args, "micro_batches", 1)
     choice = choice or choice_from_args(args)
     ckpt, tok = open_model(args.model, validate=not launched())
     if launched():
@@ -142,8 +148,8 @@ def load_model(args, choice: BackendChoice | None = None, command: str = "genera
         counts = parse_counts(args.stages) if getattr(args, "stages", None) else None
         backend, session = load_rank(ckpt, choice, counts, getattr(args, "dist_timeout", None) or DEFAULT_TIMEOUT_S,
                                      getattr(args, "expert_parallel", None) or 1)
-        return LoadedModel(backend, tok, ckpt, session, getattr(args, "micro_batches", 1))
-    if getattr(args, "micro_batches", 1) > 1:
+        return LoadedModel(backend, tok, ckpt, session, micro_batches)
+    if micro_batches > 1:
         raise K2Error("--micro-batches keeps several steps in flight through pipeline stages: give --pipeline too")
     backend = open_backend(choice, ckpt)
     backend.prepare(progress=progress_line(f"k2trt {command}"))
@@ -158,7 +164,10 @@ def launch_if_asked(args) -> int | None:
     stages, experts = getattr(args, "pipeline", None), getattr(args, "expert_parallel", None)
     if (stages is None and experts is None) or launched():
         return None
+    from k2trt.config import K2Config, check_expert_parallel
     from k2trt.runtime.distributed.launch import run_pipeline
+
+    check_expert_parallel(K2Config.from_json(args.model), experts or 1)  # one line before any rank starts
 
     return run_pipeline(args.argv, (stages or 1) * (experts or 1))
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from k2trt.config import K2Config, expert_range
 from k2trt.runtime.generation.executor import StageExecutor
-from k2trt.runtime.generation.step import StepPlan, StepTensors
+from k2trt.runtime.generation.step import StepPlan, StepTensors, is_decode
 
 
 # ---- one rank's share of the weights --------------------------------------------------------------------------
@@ -98,6 +98,7 @@ def scatter_back(returned: torch.Tensor, dispatch: Dispatch) -> torch.Tensor:
 class ExchangeStats:
     seconds: float = 0.0  # inside the all-to-alls (waiting for the other ranks included)
     bytes_sent: int = 0  # rows and counts this rank sent to other ranks
+    decode_bytes: int = 0  # of them, in decode steps
     exchanges: int = 0  # MoE layers exchanged
 
 
@@ -110,7 +111,8 @@ class ExpertExchange:
         self.lost = lost
         self.stats = ExchangeStats()
 
-    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits=None, in_splits=None) -> None:
+    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits=None, in_splits=None,
+                    decode: bool = False) -> None:
         t0 = time.perf_counter()
         try:
             dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
@@ -120,26 +122,29 @@ class ExpertExchange:
             self.stats.seconds += time.perf_counter() - t0
         row = inp[0].numel() if inp.dim() > 1 and inp.shape[0] else 1
         own = inp.numel() // self.size if in_splits is None else in_splits[self.rank] * row  # stays on this rank
-        self.stats.bytes_sent += (inp.numel() - own) * inp.element_size()
+        sent = (inp.numel() - own) * inp.element_size()
+        self.stats.bytes_sent += sent
+        self.stats.decode_bytes += sent if decode else 0
 
-    def dispatch(self, rows: torch.Tensor, dispatch: Dispatch) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    def dispatch(self, rows: torch.Tensor, dispatch: Dispatch, decode: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """rows [B·T, d] (this rank's moe_input) -> (the rows received [R, d], their local expert ids [R], rows
         received from each rank)."""
         self.stats.exchanges += 1
         counts = dispatch.expert_counts.to(self.device)
         recv_counts = torch.empty_like(counts)
-        self._all_to_all(recv_counts, counts)  # counts first: [ranks × experts per rank] each way
+        self._all_to_all(recv_counts, counts, decode=decode)  # counts first: [ranks × experts per rank] each way
         recv_counts = recv_counts.view(self.size, -1)
         recv = recv_counts.sum(dim=1).tolist()
         sent = rows[(dispatch.order // self.cfg.num_experts_per_tok).to(rows.device)]
         received = rows.new_empty(sum(recv), rows.shape[-1])
-        self._all_to_all(received, sent, recv, dispatch.send)
+        self._all_to_all(received, sent, recv, dispatch.send, decode)
         return received, received_expert_ids(recv_counts), recv
 
-    def give_back(self, expert_out: torch.Tensor, dispatch: Dispatch, recv: list[int]) -> torch.Tensor:
+    def give_back(self, expert_out: torch.Tensor, dispatch: Dispatch, recv: list[int], decode: bool) -> torch.Tensor:
         """The experts' outputs back to the ranks their rows came from -> this rank's pair_out [B·T·k, d]."""
         returned = expert_out.new_empty(sum(dispatch.send), expert_out.shape[-1])
-        self._all_to_all(returned, expert_out.contiguous(), dispatch.send, recv)
+        self._all_to_all(returned, expert_out.contiguous(), dispatch.send, recv, decode)
         return scatter_back(returned, dispatch)
 
 
@@ -166,7 +171,7 @@ class ExpertParallelStage(StageExecutor):
         self.clock.backend_s += clock() - t0
         self.cache.write(layer, plan.first, new, st.cache_rows, st.valid)
         dispatch = plan_dispatch(topk_ids.cpu(), st.valid.cpu(), self.num_experts, self.exchange.size)
-        pair_out = self._serve(layer, x.reshape(-1, x.shape[-1]), dispatch, plan.width == 1)
+        pair_out = self._serve(layer, x.reshape(-1, x.shape[-1]), dispatch, is_decode(plan))
         t0 = clock()
         hidden = backend.moe_combine(layer, pair_out, topk_weights, shared, residual)
         self.clock.backend_s += clock() - t0
@@ -174,14 +179,14 @@ class ExpertParallelStage(StageExecutor):
 
     def _serve(self, layer: int, rows: torch.Tensor, dispatch: Dispatch, decode: bool) -> torch.Tensor:
         """Send this rank's pairs, run its experts on what it received, send the outputs back: -> pair_out."""
-        received, expert_ids, recv = self.exchange.dispatch(rows, dispatch)
+        received, expert_ids, recv = self.exchange.dispatch(rows, dispatch, decode)
         if received.shape[0]:
             t0 = time.perf_counter()
             expert_out = self.backend.moe_experts(layer, received, expert_ids.to(received.device), decode)
             self.clock.backend_s += time.perf_counter() - t0
         else:
             expert_out = received
-        return self.exchange.give_back(expert_out, dispatch, recv)
+        return self.exchange.give_back(expert_out, dispatch, recv, decode)
 
     def run_idle(self, decode: bool) -> None:
         """Every MoE layer's exchange with nothing of its own to send."""

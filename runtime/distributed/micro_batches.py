@@ -19,9 +19,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from k2trt.runtime.distributed.pipeline import PipelineExecutor, is_decode
+from k2trt.runtime.distributed.pipeline import PipelineExecutor
 from k2trt.runtime.generation.scheduler import Request, Scheduler
-from k2trt.runtime.generation.step import PREFILL, DECODE, StepPlan
+from k2trt.runtime.generation.step import DECODE, PREFILL, StepPlan, is_decode
 from k2trt.runtime.generation.timings import Timings
 
 
@@ -113,11 +113,29 @@ class MicroBatchScheduler:
             s.timings = Timings()
         self._intervals = _Intervals()
 
+    @property
+    def layout(self) -> list[Request]:
+        """The running requests of every lane (the server counts them)."""
+        return [r for s in self.lanes for r in s.layout.order]
+
     def run_until_idle(self) -> None:
         """Every lane plans until its requests are done, in its thread; this thread drives the pipeline."""
-        busy = [s for s in self.lanes if s.has_work()]
-        threads = [threading.Thread(target=self._lane, args=(s,), name=f"k2trt-lane-{i}", daemon=True)
-                   for i, s in enumerate(busy)]
+        self._run_lanes([s for s in self.lanes if s.has_work()], Scheduler.run_until_idle)
+
+    def iteration(self) -> None:
+        """One iteration of every lane with work (the server's loop: new requests join between iterations); the
+        lanes' steps are in flight together."""
+        self._run_lanes([s for s in self.lanes if s.has_work()], Scheduler.iteration)
+
+    def keepalive(self) -> None:
+        """An empty step of every lane: each rank hears from rank 0, and pending slot operations reach it."""
+        self._run_lanes(self.lanes, Scheduler.keepalive)
+
+    def _run_lanes(self, lanes: list[Scheduler], work) -> None:
+        """work(lane) for each lane, each in its own thread; this thread drives the pipeline until all are done."""
+        self._error = None
+        threads = [threading.Thread(target=self._lane, args=(s, work), name=f"k2trt-lane-{i}", daemon=True)
+                   for i, s in enumerate(lanes)]
         with self._cond:
             self._planning = len(threads)
         for t in threads:
@@ -135,10 +153,10 @@ class MicroBatchScheduler:
             raise self._error
 
     # ---- the lanes' side ------------------------------------------------------------------------------------
-    def _lane(self, scheduler: Scheduler) -> None:
+    def _lane(self, scheduler: Scheduler, work) -> None:
         try:
-            scheduler.run_until_idle()
-        except Stopped:
+            work(scheduler)
+        except Stopped:  # the driver failed and raises why; the count no longer matters (each run sets it anew)
             pass
         except BaseException as e:  # noqa: BLE001 - a lane's failure stops the driver, which raises it
             with self._cond:
@@ -154,11 +172,10 @@ class MicroBatchScheduler:
             if self._error is not None:
                 raise Stopped()
             self._queue.append(item)
-            self._planning -= 1
+            self._planning -= 1  # until the driver hands it the ids (and counts it planning again)
             self._cond.notify_all()
             while not item.done and self._error is None:
                 self._cond.wait()
-            self._planning += 1
             if not item.done:
                 raise Stopped()
         return item.ids
@@ -192,8 +209,9 @@ class MicroBatchScheduler:
                     if done.plan.tokens:
                         kind = DECODE if is_decode(done.plan) else PREFILL
                         self._intervals.add(kind, done.issued_at, time.perf_counter())
-                    with self._cond:
+                    with self._cond:  # its lane plans again from now: wait for its next plan, not the next ids
                         done.ids, done.done = ids, True
+                        self._planning += 1
                         self._cond.notify_all()
             except BaseException as e:
                 with self._cond:

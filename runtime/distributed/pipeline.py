@@ -38,7 +38,7 @@ from k2trt.runtime.distributed.layout import Layout
 from k2trt.runtime.distributed.world import World
 from k2trt.runtime.generation.executor import StageClock, StageExecutor
 from k2trt.runtime.generation.sampling import SamplingParams
-from k2trt.runtime.generation.step import Admit, Move, Release, StepPlan, Swap
+from k2trt.runtime.generation.step import Admit, Move, Release, StepPlan, Swap, is_decode
 
 _OPS = {"admit": Admit, "release": Release, "move": Move, "swap": Swap}
 _NAMES = {v: k for k, v in _OPS.items()}
@@ -47,19 +47,8 @@ NOT_SAMPLED = -1
 
 # ---- plans and step messages as bytes -----------------------------------------------------------------------
 
-def encode_plan(plan: StepPlan | None) -> bytes:
-    """JSON, not pickle: a rank never deserializes code from another process."""
-    if plan is None:
-        return b'{"shutdown": true}'
-    return json.dumps(_plan_dict(plan), separators=(",", ":")).encode()
-
-
-def decode_plan(blob: bytes) -> StepPlan | None:
-    d = json.loads(blob)
-    return None if d.get("shutdown") else _plan_of(d)
-
-
 def _plan_dict(plan: StepPlan) -> dict:
+    """JSON, not pickle: a rank never deserializes code from another process."""
     d = asdict(plan)
     d["ops"] = [{"op": _NAMES[type(op)], **asdict(op)} for op in plan.ops]
     return d
@@ -100,12 +89,6 @@ def decode_message(blob: bytes) -> StepMessage | None:
     if d.get("shutdown"):
         return None
     return StepMessage(d["lane"], _plan_of(d["plan"]), d["active"], d["decode"])
-
-
-def is_decode(plan: StepPlan) -> bool:
-    """A decode step: every sequence feeds the token it sampled last (one, past its prompt) and samples the next."""
-    return bool(plan.tokens) and all(len(t) == 1 and s > 0 for t, s in zip(plan.tokens, plan.starts)) \
-        and all(plan.sample)
 
 
 # ---- where this rank's messages come from and go ----------------------------------------------------------
@@ -303,7 +286,7 @@ class PipelineExecutor:
         self.split_by_lane: dict = {}
         self.in_flight: deque = deque()
         self.clock: StageClock = runner.clock
-        self.steps = 0  # steps with work issued (bench: bytes moved per step)
+        self.steps = self.decode_steps = 0  # steps with work issued, decode steps among them (bench: bytes per step)
 
     @property
     def depth(self) -> int:
@@ -318,6 +301,7 @@ class PipelineExecutor:
             plans = self.split_by_lane.setdefault(lane, self.column_plans()).split(plan)
         active, decode = bool(plan.tokens), is_decode(plan)
         self.steps += active
+        self.decode_steps += decode
         blobs = [encode_message(StepMessage(lane, p, active, decode)) for p in plans]
         tr = self.runner.transport
         for column in range(1, self.columns):
