@@ -31,10 +31,14 @@ def test_the_table_covers_every_plugin_node_kind_dtype_mode_and_config():
     for op in AOT_NODES:
         for act in contracts.ACTIVATION_DTYPES:
             for aq in AC.MODES:
-                want = {"MoeAlign": (op, None, None), "MoeCombine": (op, act, None)}.get(op, (op, act, aq))
+                # W4A16: no activation quantization, so no mode
+                want = {"MoeAlign": (op, None, None), "MoeCombine": (op, act, None), "MoeGateUpInt4": (op, act, None),
+                        "MoeDownInt4": (op, act, None)}.get(op, (op, act, aq))
                 assert want in kinds, want
     assert set(AOT_NODES) == {c.op_type for c in contracts.TENSORRT}
-    assert {r.source.split()[0] for r in requests} == {"tiny", "kimi-k2", "doctor"}
+    assert {r.source.split()[0] for r in requests} == {*AC.CONFIGS, "doctor"}
+    assert {r.source for r in requests if " at EP " in r.source} == {
+        f"{name} at EP {e} {kind}" for name, e in AC.EXPERT_PARALLEL.items() for kind in ("moe_experts", "moe_combine")}
     # every tactic of every node is asked for
     for op, row in AOT_NODES.items():
         assert {r.tactic for r in requests if r.op_type == op} == set(row.every_tactic())
