@@ -177,7 +177,8 @@ MOE_DOWN = NodeContract(
 
 MOE_COMBINE = NodeContract(
     op_type="MoeCombine",
-    doc="Stage 4 of MoeFp8: y[t] = Σ_j topk_weights[t, j] · pair_out[t·k + j], summed in float32.",
+    doc="Stage 4 of MoeFp8: y[t] = Σ_j topk_weights[t, j] · pair_out[t·k + j], summed in float32 (recorded on its "
+        "own as the combine of a MoE block split for expert parallelism).",
     inputs=(
         Port("pair_out", ACTIVATION_DTYPES, "[n, d]"),
         Port("topk_weights", ("float32",), "[B, T, k]"),
