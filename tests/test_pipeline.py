@@ -243,59 +243,50 @@ def _child_with_rank(parent: int, rank: int) -> int | None:
     return None
 
 
-@pytest.mark.slow
-def test_a_killed_rank_ends_every_rank(tiny_ckpt, tiny_export):
-    """A rank that dies without a word (SIGKILL) while the pipeline steps still ends the run, naming it, within
-    the timeout. It is killed once rank 0 has streamed its first text: loaded and stepping, with thousands of
-    steps to go."""
+def killed_mid_step(ckpt, onnx, flags: list[str], victim: int) -> tuple[int, list[str], float]:
+    """Generate thousands of tokens over ranks, SIGKILL rank `victim` once rank 0 has streamed its first text
+    (loaded and stepping): -> (exit status, stderr lines, seconds to the end)."""
     import signal
 
     from servers import HANG_S, wait_until
 
-    args = ["generate", "--model", str(tiny_ckpt), "--onnx", str(tiny_export), "--prompt", "Hi",
-            "--max-new-tokens", "5000", "--max-context", "8000", "--pipeline", "2", "--dist-timeout", "20"]
+    args = ["generate", "--model", str(ckpt), "--onnx", str(onnx), "--prompt", "Hi", "--max-new-tokens", "5000",
+            "--max-context", "8000", "--dist-timeout", "20", *flags]
+    t0 = time.monotonic()
     proc = subprocess.Popen(K2TRT + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        victim = wait_until(lambda: _child_with_rank(proc.pid, 1), "rank 1 to start", every_s=0.1)
+        pid = wait_until(lambda: _child_with_rank(proc.pid, victim), f"rank {victim} to start", every_s=0.1)
         assert proc.stdout.read(1), "rank 0 streamed nothing"  # the first character of the generated text
-        os.kill(victim, signal.SIGKILL)
-        out, err = proc.communicate(timeout=HANG_S)
+        os.kill(pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=HANG_S)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    lines = err.strip().splitlines()
-    assert proc.returncode == 2 and lines[-1].startswith("k2trt generate: error: rank 1 "), err[-2000:]
+    return proc.returncode, err.strip().splitlines(), time.monotonic() - t0
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_every_rank(tiny_ckpt, tiny_export):
+    """A rank that dies without a word (SIGKILL) while the pipeline steps still ends the run, naming it, within
+    the timeout."""
+    code, lines, _ = killed_mid_step(tiny_ckpt, tiny_export, ["--pipeline", "2"], 1)
+    assert code == 2 and lines[-1].startswith("k2trt generate: error: rank 1 "), lines
     assert "signal 9" in lines[-1] or "lost contact" in lines[-1] or "rank 1 failed" in lines[-1]
 
 
 @pytest.mark.slow
 def test_a_rank_killed_mid_step_ends_every_expert_parallel_rank(tiny_ckpt, tiny_ep_exports):
-    """EP 2 × PP 2: an expert-parallel rank of the last stage, SIGKILLed while the ranks step (rank 0 streaming),
-    ends the run in one line within the timeout: its stage partner loses it in an all-to-all, rank 0 waiting for
-    ids, the launcher names it."""
-    import signal
+    """PP 2 × EP 2: an expert-parallel rank of the last stage, SIGKILLed while the ranks step, ends the run in one
+    line within the timeout: its stage partner loses it in an all-to-all, rank 0 waiting for ids, the launcher
+    names it."""
+    from servers import HANG_S
 
-    from servers import HANG_S, wait_until
-
-    args = ["generate", "--model", str(tiny_ckpt), "--onnx", str(tiny_ep_exports[2]), "--prompt", "Hi",
-            "--max-new-tokens", "5000", "--max-context", "8000", "--pipeline", "2", "--expert-parallel", "2",
-            "--dist-timeout", "20"]
-    t0 = time.monotonic()
-    proc = subprocess.Popen(K2TRT + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        victim = wait_until(lambda: _child_with_rank(proc.pid, 3), "rank 3 to start", every_s=0.1)
-        assert proc.stdout.read(1), "rank 0 streamed nothing"
-        os.kill(victim, signal.SIGKILL)
-        out, err = proc.communicate(timeout=HANG_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    lines = err.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1, err[-2000:]
+    code, lines, seconds = killed_mid_step(tiny_ckpt, tiny_ep_exports[2], ["--pipeline", "2", "--expert-parallel",
+                                                                          "2"], 3)
+    assert code == 2 and len(lines) == 1, lines
     assert lines[0].startswith("k2trt generate: error: rank 3 ") and "signal 9" in lines[0], lines
-    assert time.monotonic() - t0 < HANG_S
+    assert seconds < HANG_S
 
 
 @pytest.mark.slow

@@ -46,9 +46,6 @@ class ExpertShare:
     def block_weights(self, layer: int, experts: tuple[int, int] | None = None):
         return self.inner.block_weights(layer, self.experts if experts is None else experts)
 
-    def __getattr__(self, name):  # check_tensors and the rest of a Checkpoint
-        return getattr(self.inner, name)
-
 
 # ---- the dispatch, as plain tensors (no process group: tests run every rank's side in one process) ----------
 
@@ -99,7 +96,6 @@ class ExchangeStats:
     seconds: float = 0.0  # inside the all-to-alls (waiting for the other ranks included)
     bytes_sent: int = 0  # rows and counts this rank sent to other ranks
     decode_bytes: int = 0  # of them, in decode steps
-    exchanges: int = 0  # MoE layers exchanged
 
 
 class ExpertExchange:
@@ -130,7 +126,6 @@ class ExpertExchange:
                  ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """rows [B·T, d] (this rank's moe_input) -> (the rows received [R, d], their local expert ids [R], rows
         received from each rank)."""
-        self.stats.exchanges += 1
         counts = dispatch.expert_counts.to(self.device)
         recv_counts = torch.empty_like(counts)
         self._all_to_all(recv_counts, counts, decode=decode)  # counts first: [ranks × experts per rank] each way

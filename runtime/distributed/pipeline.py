@@ -286,7 +286,7 @@ class PipelineExecutor:
         self.split_by_lane: dict = {}
         self.in_flight: deque = deque()
         self.clock: StageClock = runner.clock
-        self.steps = self.decode_steps = 0  # steps with work issued, decode steps among them (bench: bytes per step)
+        self.decode_steps = 0  # decode steps issued (bench: bytes moved per decode step)
 
     @property
     def depth(self) -> int:
@@ -300,7 +300,6 @@ class PipelineExecutor:
         else:
             plans = self.split_by_lane.setdefault(lane, self.column_plans()).split(plan)
         active, decode = bool(plan.tokens), is_decode(plan)
-        self.steps += active
         self.decode_steps += decode
         blobs = [encode_message(StepMessage(lane, p, active, decode)) for p in plans]
         tr = self.runner.transport

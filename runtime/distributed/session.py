@@ -97,19 +97,15 @@ class RankSession:
     stage: placement.Stage
     runner: StageRunner
     leader: PipelineExecutor | None  # rank 0
-
-    @property
-    def executor(self) -> StageExecutor:
-        return self.runner.stage(0)
+    exchange: ExpertExchange | None = None  # its MoE layers' all-to-alls (expert parallel)
 
     def follow(self) -> None:
         follow(self.runner)
         self._publish(self._stats(self.runner.transport.seconds))
 
     def _stats(self, transfer_s: float) -> RankStats:
-        exchange = getattr(self.executor, "exchange", None)
         return RankStats(self.runner.clock.backend_s, transfer_s, self.runner.step_s,
-                         exchange.stats if exchange is not None else ExchangeStats())
+                         self.exchange.stats if self.exchange is not None else ExchangeStats())
 
     def shutdown(self) -> list[RankStats]:
         """Rank 0: end every rank's loop, then gather their timings (their own counters, through the store)."""
@@ -156,6 +152,7 @@ def load_rank(ckpt, choice: BackendChoice, counts: list[int] | None, timeout_s: 
         reporter.ready()
         world.wait_for([ready_key(r) for r in range(world.size)], LOAD_TIMEOUT_S)
 
+    exchange = None
     if groups is None:
         def make_stage():
             return StageExecutor(backend, cfg, stage.layers, first=stage.first, last=stage.last)
@@ -169,4 +166,4 @@ def load_rank(ckpt, choice: BackendChoice, counts: list[int] | None, timeout_s: 
     runner = StageRunner(world, topology, make_stage)
     # an expert-parallel rank's cache rows are bucketed up to what its backend takes in one call
     leader = PipelineExecutor(world, runner, backend.limits.max_batch or UNLIMITED) if world.first else None
-    return backend, RankSession(world, layout, stage, runner, leader)
+    return backend, RankSession(world, layout, stage, runner, leader, exchange)
