@@ -370,3 +370,60 @@ def test_serve_over_expert_parallel_ranks_and_micro_batches(tiny_ckpt, tiny_expo
             assert list(pool.map(ask, cases)) == alone
     finally:
         assert s.stop() == 0, s.output()
+
+
+def _exchange_messages(rank: int, port: int, sizes: list[int], out) -> None:
+    """Rank 0 sends messages of these sizes to rank 1, which posts each receive before reading the last."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from k2trt.runtime.distributed.pipeline import Transport
+    from k2trt.runtime.distributed.world import World
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: loopback, as the launcher sets it
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    world = World(rank, 2, rank, store, dist.group.WORLD, dist.group.WORLD, 60.0)
+    tr = Transport(world, torch.device("cpu"))
+    blobs = [bytes((i * 7 + n) % 256 for i in range(n)) for n in sizes]
+    if rank == 0:
+        for blob in blobs:
+            tr.send_message(1, blob)
+        tr.flush()
+    else:
+        posted = tr.expect_message(0)
+        got = []
+        for _ in blobs:
+            blob = tr.message(posted, 0)
+            posted = tr.expect_message(0) if len(got) + 1 < len(blobs) else None
+            got.append(blob)
+        out.put(got == blobs)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_messages_of_any_length_arrive_whole():
+    """A step's message is one frame of FRAME bytes, and past it a second part: lengths around the frame's edge
+    and far past it arrive whole and in order."""
+    import multiprocessing
+
+    from k2trt.runtime.distributed.pipeline import FRAME
+    from k2trt.tools.bench_serve import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    sizes = [0, 5, FRAME - 8, FRAME - 7, FRAME, 5 * FRAME + 3, 17]
+    port = free_port()
+    procs = [ctx.Process(target=_exchange_messages, args=(r, port, sizes, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        assert out.get(timeout=120) is True
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    assert all(p.exitcode == 0 for p in procs)

@@ -134,9 +134,26 @@ class Topology:
         return self.layout.rank_of(self.layout.pipeline - 1, column)
 
 
+FRAME = 16 << 10  # bytes of a message's first part: a decode plan of hundreds of sequences fits
+
+
+@dataclass
+class Posted:
+    """A receive posted before its message is sent: a gloo send to a rank that has posted nothing moves only when
+    the sender next calls into gloo (measured: a plan sent while the next stage was busy waited for rank 0's next
+    step), so every rank posts each receive as early as it knows its size."""
+
+    work: object
+    buffer: torch.Tensor
+
+
 class Transport:
-    """The step's messages over a World's groups, with the time spent in them. Sends are non-blocking and their
-    buffers held until done; receives block, bounded by the groups' timeout."""
+    """The step's messages over a World's groups, with the time spent in them. Sends do not wait for their
+    receives (rank 0 sends the next plans while the last ranks send ids back: blocking sends would deadlock), their
+    buffers held until done; receives are posted ahead (`expect_*`) and waited on, bounded by the groups' timeout.
+
+    A message (a step's JSON) is one FRAME-byte frame — its length, then its bytes — and, past FRAME, the rest in a
+    second message the receiver posts once it has read the length."""
 
     def __init__(self, world: World, device: torch.device):
         self.world, self.device = world, device
@@ -161,34 +178,48 @@ class Transport:
         while self.pending and self.pending[0][0].is_completed():
             self._timed(self.pending.popleft()[0].wait)  # raises here if the send failed
 
+    def _post(self, buffer: torch.Tensor, src: int, group) -> Posted:
+        return Posted(self._timed(dist.irecv, buffer, src, group=group), buffer)
+
+    def wait(self, posted: Posted) -> torch.Tensor:
+        self._timed(posted.work.wait, timedelta(seconds=self.world.timeout_s))
+        return posted.buffer
+
     def flush(self) -> None:
         """Wait until every send is done (before the process group goes)."""
         timeout = timedelta(seconds=self.world.timeout_s)
         while self.pending:
             self._timed(self.pending.popleft()[0].wait, timeout)
 
+    # ---- messages ------------------------------------------------------------------------------------------
     def send_message(self, dst: int, blob: bytes) -> None:
-        g = self.world.cpu_group
-        self._send(torch.tensor([len(blob)], dtype=torch.int64), dst, g)
-        self._send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst, g)
+        frame = torch.zeros(FRAME, dtype=torch.uint8)
+        head = len(blob).to_bytes(8, "little") + blob[:FRAME - 8]
+        frame[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        self._send(frame, dst, self.world.cpu_group)
+        if len(blob) > FRAME - 8:
+            self._send(torch.frombuffer(bytearray(blob[FRAME - 8:]), dtype=torch.uint8), dst, self.world.cpu_group)
 
-    def recv_message(self, src: int) -> bytes:
-        g = self.world.cpu_group
-        n = torch.zeros(1, dtype=torch.int64)
-        self._timed(dist.recv, n, src, group=g)
-        buf = torch.empty(int(n), dtype=torch.uint8)
-        self._timed(dist.recv, buf, src, group=g)
-        return buf.numpy().tobytes()
+    def expect_message(self, src: int) -> Posted:
+        return self._post(torch.empty(FRAME, dtype=torch.uint8), src, self.world.cpu_group)
 
+    def message(self, posted: Posted, src: int) -> bytes:
+        frame = self.wait(posted).numpy().tobytes()
+        n = int.from_bytes(frame[:8], "little")
+        if n <= FRAME - 8:
+            return frame[8:8 + n]
+        rest = torch.empty(n - (FRAME - 8), dtype=torch.uint8)
+        self._timed(dist.recv, rest, src, group=self.world.cpu_group)
+        return frame[8:] + rest.numpy().tobytes()
+
+    # ---- hidden states and sampled ids ---------------------------------------------------------------------
     def send_hidden(self, dst: int, hidden: torch.Tensor) -> None:
         """A copy goes: the send is not done when this returns, and a backend reuses its output buffers (TensorRT's
         arena) for the next step."""
         self._send(hidden.clone(memory_format=torch.contiguous_format), dst, self.world.device_group)
 
-    def recv_hidden(self, src: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        h = torch.empty(shape, dtype=dtype, device=self.device)
-        self._timed(dist.recv, h, src, group=self.world.device_group)
-        return h
+    def expect_hidden(self, src: int, shape: tuple[int, ...], dtype: torch.dtype) -> Posted:
+        return self._post(torch.empty(shape, dtype=dtype, device=self.device), src, self.world.device_group)
 
     def send_ids(self, dst: int, ids: list[int | None]) -> None:
         """A column's sampled ids (at least one value travels: a column with no sequence in the step sends a
@@ -196,10 +227,12 @@ class Transport:
         values = [NOT_SAMPLED if i is None else i for i in ids] or [NOT_SAMPLED]
         self._send(torch.tensor(values, dtype=torch.int64), dst, self.world.cpu_group)
 
-    def recv_ids(self, src: int, batch: int) -> list[int | None]:
-        t = torch.empty(max(1, batch), dtype=torch.int64)
-        self._timed(dist.recv, t, src, group=self.world.cpu_group)
-        return [None if i == NOT_SAMPLED else int(i) for i in t.tolist()[:batch]]
+    def expect_ids(self, src: int, batch: int) -> tuple[Posted, int]:
+        return self._post(torch.empty(max(1, batch), dtype=torch.int64), src, self.world.cpu_group), batch
+
+    def ids(self, expected: tuple[Posted, int]) -> list[int | None]:
+        posted, batch = expected
+        return [None if i == NOT_SAMPLED else int(i) for i in self.wait(posted).tolist()[:batch]]
 
 
 # ---- one rank's part of the steps ---------------------------------------------------------------------------
@@ -227,16 +260,25 @@ class StageRunner:
     def session_seconds(self) -> float | None:
         return self.backend.session_seconds()
 
-    def step(self, m: StepMessage, blob: bytes) -> list[int | None] | None:
-        """This rank's part of one step (the message forwarded down its column first); -> the sampled ids of its
-        column's sequences on a last-stage rank of an active step, else None."""
+    def step(self, m: StepMessage, blob: bytes, hidden: Posted | None = None) -> list[int | None] | None:
+        """This rank's part of one step (the message forwarded down its column first; `hidden`: the posted receive
+        of its input, on a rank past the first stage); -> the sampled ids of its column's sequences on a last-stage
+        rank of an active step, else None."""
         t0 = time.perf_counter()
         try:
-            return self._step(m, blob)
+            return self._step(m, blob, hidden)
         finally:
             self.step_s += time.perf_counter() - t0
 
-    def _step(self, m: StepMessage, blob: bytes) -> list[int | None] | None:
+    def expect_hidden(self, m: StepMessage) -> Posted | None:
+        """The receive of the step's hidden state, where one comes (posted as soon as the plan is read)."""
+        if self.topology.first or not m.active or not m.plan.tokens:
+            return None
+        plan = m.plan
+        return self.transport.expect_hidden(self.topology.previous, (plan.batch, plan.width, self.cfg.hidden_size),
+                                            self.backend.act_dtype)
+
+    def _step(self, m: StepMessage, blob: bytes, posted: Posted | None) -> list[int | None] | None:
         topo, tr, plan = self.topology, self.transport, m.plan
         if topo.next is not None:
             tr.send_message(topo.next, blob)
@@ -250,11 +292,7 @@ class StageRunner:
                 stage.run_idle(m.decode)
             return [] if topo.last else None
         st = stage.tensors(plan)
-        if topo.first:
-            hidden = stage.embed(st)
-        else:
-            hidden = tr.recv_hidden(topo.previous, (plan.batch, plan.width, self.cfg.hidden_size),
-                                    self.backend.act_dtype)
+        hidden = stage.embed(st) if topo.first else tr.wait(posted)
         hidden = stage.run_layers(plan, st, hidden)
         if topo.last:
             return stage.sample(plan, st, hidden)
@@ -302,22 +340,23 @@ class PipelineExecutor:
         active, decode = bool(plan.tokens), is_decode(plan)
         self.decode_steps += decode
         blobs = [encode_message(StepMessage(lane, p, active, decode)) for p in plans]
-        tr = self.runner.transport
+        tr, topo = self.runner.transport, self.topology
+        # the ids' receives first: a column's last rank may send them before this rank asks
+        ids = [tr.expect_ids(topo.column_tail(c), plans[c].batch) if active and topo.column_tail(c) != 0 else None
+               for c in range(self.columns)]
         for column in range(1, self.columns):
-            tr.send_message(self.topology.column_head(column), blobs[column])
+            tr.send_message(topo.column_head(column), blobs[column])
         own = self.runner.step(StepMessage(lane, plans[0], active, decode), blobs[0])
-        self.in_flight.append((lane, plan, plans, own))
+        self.in_flight.append((lane, plan, ids, own))
 
     def complete(self) -> tuple[int, list[int | None]]:
         """The oldest step in flight: (its lane, the sampled id of each of its sequences)."""
         t0 = time.perf_counter()
         try:
-            lane, plan, plans, own = self.in_flight.popleft()
+            lane, plan, expected, own = self.in_flight.popleft()
             if not plan.tokens:
                 return lane, []
-            ids = [own if self.topology.column_tail(c) == 0 else
-                   self.runner.transport.recv_ids(self.topology.column_tail(c), plans[c].batch)
-                   for c in range(self.columns)]
+            ids = [own if e is None else self.runner.transport.ids(e) for e in expected]
             return lane, ids[0] if self.columns == 1 else self.split_by_lane[lane].merge(plan, ids)
         finally:
             self.runner.step_s += time.perf_counter() - t0
@@ -348,9 +387,10 @@ class PipelineExecutor:
 def follow(runner: StageRunner) -> StageRunner:
     """A rank other than 0: run every step rank 0 plans, until it says stop. Returns the runner (its timings)."""
     topo, tr = runner.topology, runner.transport
+    posted = tr.expect_message(topo.plan_source)
     while True:
         t0 = time.perf_counter()
-        blob = tr.recv_message(topo.plan_source)
+        blob = tr.message(posted, topo.plan_source)
         runner.step_s += time.perf_counter() - t0
         m = decode_message(blob)
         if m is None:
@@ -358,6 +398,8 @@ def follow(runner: StageRunner) -> StageRunner:
                 tr.send_message(topo.next, SHUTDOWN)
             tr.flush()
             return runner
-        ids = runner.step(m, blob)
+        hidden = runner.expect_hidden(m)  # in the order they come: this step's hidden state, then the next plan
+        posted = tr.expect_message(topo.plan_source)
+        ids = runner.step(m, blob, hidden)
         if ids is not None:
             tr.send_ids(0, ids)
