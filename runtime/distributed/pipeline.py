@@ -17,7 +17,9 @@ its rank at each stage keeps their cache for the stage's layers, its last rank s
 
 Messages are point to point, and each goes between the same two ranks in the same order on both sides (NCCL ignores
 tags: messages match by order), never in a cycle; sends are non-blocking (a blocking send waits for its receive, and
-rank 0 sends the next plans while the last ranks send ids back). So rank 0 can keep several numbered plans in flight
+rank 0 sends the next plans while the last ranks send ids back), and every receive is posted as soon as its size is
+known (a gloo send finds its receive posted, or waits for the sender's next call). So rank 0 can keep several
+numbered plans in flight
 — micro-batches, each with its own slots and cache on every rank (runtime/distributed/micro_batches.py) — while the
 stages work on them one after another: up to P at once, each stage on a different one. Plans are JSON bytes, never
 pickle.
