@@ -4,8 +4,10 @@ K2TRT   := .venv/bin/k2trt
 # the embedded tiny release: fp8 (Kimi-K2-Instruct, the default), int4 (Kimi-K2-Thinking), k2.5 (Kimi-K2.5's layout)
 FORMAT  ?= fp8
 SUFFIX  := $(if $(filter-out fp8,$(FORMAT)),-$(FORMAT))
+# make generate EP=2 (and PIPELINE=2 EP=2): expert-parallel ranks, which need graphs exported for E
+EP      ?=
 TINY    ?= build/tiny$(SUFFIX)
-ONNX    ?= build/onnx$(SUFFIX)
+ONNX    ?= build/onnx$(SUFFIX)$(if $(EP),-ep$(EP))
 ENGINES ?= build/engines
 # float32 graphs for ONNX Runtime on a CPU; bfloat16 for TensorRT engines (make export DTYPE=bfloat16 ONNX=build/onnx-bf16)
 DTYPE   ?= float32
@@ -23,7 +25,7 @@ space   := $(empty) $(empty)
 EXTRAS_FOR_DRIVER = $(subst $(space),$(comma),$(strip $(foreach e,$(subst $(comma), ,$(EXTRAS)),$(if $(filter gpu,$(e)),gpu-$(shell python3 k2trt/tools/driver_cuda.py),$(e)))))
 # make generate PIPELINE=2: the same generation as pipeline stages, one process each
 PIPELINE ?=
-PIPE    := $(if $(PIPELINE),--pipeline $(PIPELINE))
+PIPE    := $(if $(PIPELINE),--pipeline $(PIPELINE)) $(if $(EP),--expert-parallel $(EP))
 
 .PHONY: install test tiny export generate chat bench bench-stream bench-prefill serve bench-serve engines compare gpu-check doctor clean
 
@@ -45,7 +47,7 @@ $(TINY)/config.json: | install
 	$(K2TRT) make-tiny $(TINY) --format $(FORMAT)
 
 export: tiny
-	$(K2TRT) export --model $(TINY) --out $(ONNX) --dtype $(DTYPE)
+	$(K2TRT) export --model $(TINY) --out $(ONNX) --dtype $(DTYPE) $(if $(EP),--expert-parallel $(EP))
 
 generate: export
 	$(K2TRT) generate --model $(TINY) --onnx $(ONNX) --prompt "The quick brown fox" --max-new-tokens 32 $(PIPE)

@@ -8,7 +8,7 @@ their float32 block scales (graphs/weights.graph_dtype).
 
 from __future__ import annotations
 
-from k2trt.config import BLOCK_ACTIVATIONS, BLOCK_KINDS, K2Config
+from k2trt.config import BLOCK_ACTIVATIONS, BLOCK_KINDS, MOE_PART_KINDS, K2Config
 from k2trt.export.onnx_ops import OnnxOps
 from k2trt.graphs import blocks
 from k2trt.graphs import weights as W
@@ -17,37 +17,52 @@ OPSET = 20  # the newest opset onnx-tensorrt documents for TensorRT 10.0 (9-20);
 IR_VERSION = 10  # onnxruntime rejects onnx 1.23's default IR 14
 
 
-def weight_inputs(ops: OnnxOps, cfg: K2Config, kind: str) -> dict:
+def weight_inputs(ops: OnnxOps, cfg: K2Config, kind: str, experts: int | None = None) -> dict:
     return {s.name: ops.input(s.name, W.graph_dtype(s.dtype, ops.act_dtype), list(s.shape))
-            for s in W.graph_weight_specs(cfg, kind)}
+            for s in W.graph_weight_specs(cfg, kind, experts)}
 
 
 def activation_io(cfg: K2Config, kind: str, act: str) -> tuple[list, list]:
-    """(inputs, outputs) of a kind as (name, dtype, shape) — everything but the weights."""
-    d, lat, half = cfg.hidden_size, cfg.latent_dim, cfg.qk_rope_head_dim // 2
+    """(inputs, outputs) of a kind as (name, dtype, shape) — everything but the weights. R: the (token, expert)
+    pairs dispatched to one expert-parallel rank."""
+    d, lat, half, k = cfg.hidden_size, cfg.latent_dim, cfg.qk_rope_head_dim // 2, cfg.num_experts_per_tok
     types = {
         "input_ids": ("int64", ["B", "T"]), "hidden_states": (act, ["B", "T", d]),
         "rope_cos": (act, ["B", "T", half]), "rope_sin": (act, ["B", "T", half]),
         "attention_mask": ("float32", ["B", "T", "P+T"]), "latent_cache": (act, ["B", "P", lat]),
         "hidden_states_out": (act, ["B", "T", d]), "latent_new": (act, ["B", "T", lat]),
         "logits": ("float32", ["B", "T", cfg.vocab_size]),
+        # a MoE block's parts (expert parallelism)
+        "residual": (act, ["B", "T", d]), "moe_input": (act, ["B", "T", d]), "shared_out": (act, ["B", "T", d]),
+        "topk_ids": ("int32", ["B", "T", k]), "topk_weights": ("float32", ["B", "T", k]),
+        "expert_rows": (act, ["R", d]), "expert_ids": ("int32", ["R"]), "expert_out": (act, ["R", d]),
+        "pair_out": (act, [f"B*T*{k}", d]),
     }
     ins, outs = BLOCK_ACTIVATIONS[kind]
     return [(n, *types[n]) for n in ins], [(n, *types[n]) for n in outs]
 
 
-def build_block_graph(cfg: K2Config, kind: str, act_dtype: str = "float32", activation_quant: int = 1):
-    """The TensorRT-bound graph of one block kind (custom FP8 nodes for TensorRT's plugins)."""
-    if kind not in BLOCK_KINDS:
-        raise ValueError(f"unknown block kind {kind!r}; expected one of {BLOCK_KINDS}")
+def build_block_graph(cfg: K2Config, kind: str, act_dtype: str = "float32", activation_quant: int = 1,
+                      experts: int | None = None):
+    """The TensorRT-bound graph of one block kind (custom FP8 nodes for TensorRT's plugins), or of a MoE block's
+    part (config.MOE_PART_KINDS; `experts`: the routed experts of one expert-parallel rank, for moe_experts)."""
+    if kind not in BLOCK_KINDS + MOE_PART_KINDS:
+        raise ValueError(f"unknown block kind {kind!r}; expected one of {BLOCK_KINDS + MOE_PART_KINDS}")
     ops = OnnxOps(act_dtype, OPSET)
     ins, outs = activation_io(cfg, kind, act_dtype)
     a = {name: ops.input(name, dt, shape) for name, dt, shape in ins}
-    w = weight_inputs(ops, cfg, kind)
+    w = weight_inputs(ops, cfg, kind, experts)
     if kind == "embedding":
         results = [blocks.embedding(ops, a["input_ids"], w)]
     elif kind == "head":
         results = [blocks.head(ops, cfg, a["hidden_states"], w)]
+    elif kind == "moe_front":
+        results = blocks.moe_front(ops, cfg, a["hidden_states"], a["rope_cos"], a["rope_sin"], a["attention_mask"],
+                                   a["latent_cache"], w, activation_quant)
+    elif kind == "moe_experts":
+        results = [blocks.local_experts(ops, cfg, a["expert_rows"], a["expert_ids"], w, activation_quant)]
+    elif kind == "moe_combine":
+        results = [blocks.moe_combine(ops, a["pair_out"], a["topk_weights"], a["shared_out"], a["residual"])]
     else:
         results = blocks.decoder_block(ops, cfg, kind, a["hidden_states"], a["rope_cos"], a["rope_sin"],
                                        a["attention_mask"], a["latent_cache"], w, activation_quant)

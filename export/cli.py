@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from k2trt.args import at_least
 from k2trt.config import PRESETS, K2Config
 from k2trt.hub import model_dir
 from k2trt.export.exporter import export
@@ -29,6 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-ranges", type=int, default=1, metavar="N",
                    help="split the TensorRT form's routed experts into N ranges of weight inputs, each under 2^31 "
                         "elements (K2: 3), for a TensorRT that refuses larger plugin inputs (k2trt doctor says)")
+    p.add_argument("--expert-parallel", type=at_least(1), default=1, metavar="E",
+                   help="also export each MoE block split at the dispatch for E expert-parallel ranks (attention + "
+                        "router + shared expert; one rank's 1/E of the routed experts; the combine), for "
+                        "`--expert-parallel E` at run time")
     p.add_argument("--graphs-only", action="store_true",
                    help="do not validate the checkpoint's tensors against the config (graphs never hold weights)")
     p.add_argument("--force", action="store_true", help="re-export even if the graphs are up to date")
@@ -44,5 +49,5 @@ def run(args) -> int:
     else:
         cfg = K2Config.preset(args.preset)
     export(cfg, args.out, args.dtype, ACT_QUANT[args.activation_quant], force=args.force,
-           expert_ranges=args.expert_ranges)
+           expert_ranges=args.expert_ranges, expert_parallel=args.expert_parallel)
     return 0

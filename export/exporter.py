@@ -10,7 +10,7 @@ from k2trt.config import K2Config
 from k2trt.dirlock import writing
 from k2trt.errors import K2Error
 from k2trt.export import manifest as M
-from k2trt.config import BLOCK_KINDS
+from k2trt.config import BLOCK_KINDS, MOE_PART_KINDS, check_expert_parallel, expert_range
 from k2trt.export.block_graphs import activation_io, build_block_graph
 from k2trt.export.checks import check_onnx, check_trt_operators
 from k2trt.export.lower_ort import lower_for_ort
@@ -20,9 +20,10 @@ from k2trt.graphs.fp8 import PER_TOKEN_GROUP, WEIGHT_DEQUANT
 
 
 def export_kind(cfg: K2Config, out: Path, kind: str, act_dtype: str, activation_quant: int,
-                expert_ranges: int = 1) -> dict[str, dict]:
-    """Both forms of one block kind, checked and written; -> {manifest key: graph entry}."""
-    recorded = build_block_graph(cfg, kind, act_dtype, activation_quant)
+                expert_ranges: int = 1, expert_parallel: int = 1) -> dict[str, dict]:
+    """Both forms of one block kind (or MoE part), checked and written; -> {manifest key: graph entry}."""
+    first, stop = expert_range(cfg, expert_parallel, 0)
+    recorded = build_block_graph(cfg, kind, act_dtype, activation_quant, stop - first)
     # one plugin per kernel (every node has an AOT implementation); expert ranges: export/split_moe.py
     trt_model = split_moe(recorded, expert_ranges)
     check_onnx(trt_model, f"trt/{kind}")
@@ -30,47 +31,56 @@ def export_kind(cfg: K2Config, out: Path, kind: str, act_dtype: str, activation_
     ort_model = lower_for_ort(recorded, act_dtype)
     check_onnx(ort_model, f"ort/{kind}")
     acts = {name for name, _, _ in activation_io(cfg, kind, act_dtype)[0]}
-    return {
+    entries = {
         f"trt/{kind}": M.write_graph(out, f"trt/{kind}", kind, "tensorrt", trt_model, weight_prep(trt_model),
                                      activation_quant, acts),
         # The lowering computes with dequantized weights: the W8A16 convention.
         f"ort/{kind}": M.write_graph(out, f"ort/{kind}", kind, "onnxruntime", ort_model, weight_prep(ort_model),
                                      WEIGHT_DEQUANT, acts),
     }
+    if kind == "moe_experts":  # its R rows: what a rank may receive (runtime/trt/profiles.py sizes them)
+        for entry in entries.values():
+            entry["dispatch"] = {"top_k": cfg.num_experts_per_tok, "ranks": expert_parallel}
+    return entries
 
 
 def export(cfg: K2Config, out: Path, act_dtype: str = "float32", activation_quant: int = PER_TOKEN_GROUP,
-           force: bool = False, log=print, expert_ranges: int = 1) -> dict:
+           force: bool = False, log=print, expert_ranges: int = 1, expert_parallel: int = 1) -> dict:
     """Write trt/<kind>.onnx, ort/<kind>.onnx and manifest.json under `out`; returns the manifest. Kinds whose
-    graphs are up to date (same config, dtype, mode, expert ranges and exporter code) are kept. expert_ranges > 1:
-    the TensorRT form's routed experts in that many ranges of weight inputs (export/split_moe.py)."""
+    graphs are up to date (same config, dtype, mode, expert ranges, expert parallelism and exporter code) are kept.
+    expert_ranges > 1: the TensorRT form's routed experts in that many ranges of weight inputs
+    (export/split_moe.py). expert_parallel E > 1: also the MoE block's parts for E expert-parallel ranks
+    (config.MOE_PART_KINDS), the experts graph holding 1/E of the routed experts."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise K2Error(f"--out {out} exists and is not a directory")
     with writing(out, "k2trt export"):  # one export at a time into a directory; a killed one's temporaries go
-        return _export(cfg, out, act_dtype, activation_quant, force, log, expert_ranges)
+        return _export(cfg, out, act_dtype, activation_quant, force, log, expert_ranges, expert_parallel)
 
 
 def _export(cfg: K2Config, out: Path, act_dtype: str, activation_quant: int, force: bool, log,
-            expert_ranges: int = 1) -> dict:
+            expert_ranges: int = 1, expert_parallel: int = 1) -> dict:
     if not 1 <= expert_ranges <= cfg.n_routed_experts:
         raise K2Error(f"--expert-ranges must be 1..{cfg.n_routed_experts}, got {expert_ranges}")
-    previous = M.load_if_current(out, cfg, act_dtype, activation_quant, expert_ranges)
+    check_expert_parallel(cfg, expert_parallel)
+    previous = M.load_if_current(out, cfg, act_dtype, activation_quant, expert_ranges, expert_parallel)
     graphs: dict[str, dict] = {}
     t_all = time.perf_counter()
-    for i, kind in enumerate(BLOCK_KINDS, 1):
+    kinds = BLOCK_KINDS + (MOE_PART_KINDS if expert_parallel > 1 else ())
+    for i, kind in enumerate(kinds, 1):
         keys = (f"trt/{kind}", f"ort/{kind}")
         if not force and previous and all(M.entry_is_current(out, previous["graphs"].get(k)) for k in keys):
             graphs.update({k: previous["graphs"][k] for k in keys})
-            log(f"[{i}/{len(BLOCK_KINDS)}] {kind}: up to date")
+            log(f"[{i}/{len(kinds)}] {kind}: up to date")
             continue
         t0 = time.perf_counter()
-        written = export_kind(cfg, out, kind, act_dtype, activation_quant, expert_ranges)
+        written = export_kind(cfg, out, kind, act_dtype, activation_quant, expert_ranges, expert_parallel)
         graphs.update(written)
         trt_entry = written[keys[0]]
-        log(f"[{i}/{len(BLOCK_KINDS)}] {kind}: {trt_entry['nodes']} nodes, {len(trt_entry['weights'])} weight inputs "
+        log(f"[{i}/{len(kinds)}] {kind}: {trt_entry['nodes']} nodes, {len(trt_entry['weights'])} weight inputs "
             f"({time.perf_counter() - t0:.1f}s)")
-    manifest = M.make_manifest(cfg, act_dtype, activation_quant, graphs, expert_ranges)
+    manifest = M.make_manifest(cfg, act_dtype, activation_quant, graphs, expert_ranges, expert_parallel)
     M.write_manifest(out, manifest)
-    log(f"exported {len(BLOCK_KINDS)} block kinds to {out} in {time.perf_counter() - t_all:.1f}s")
+    parts = f" and the MoE block's parts for {expert_parallel} expert-parallel ranks" if expert_parallel > 1 else ""
+    log(f"exported {len(BLOCK_KINDS)} block kinds{parts} to {out} in {time.perf_counter() - t_all:.1f}s")
     return manifest

@@ -4,6 +4,7 @@
   k2trt::MoeFp8(x, ids, wts, ...) ->  com.microsoft::MoE   fc1 = [gate; up] rows interleaved, dequantized;
                                                            fc2 = down, dequantized
   k2trt::MoeInt4(x, ids, wts, ...) -> com.microsoft::MoE   the same, the INT4 weights unpacked to bf16(q·s)
+  k2trt::MoeCombine(pair_out, wts) -> Cast, Mul, ReduceSum, Cast  (an expert-parallel block's combine)
 ONNX Runtime's MoE chooses its own top-k from router_probs, so the choice already made by the graph is
 handed over exactly: router_probs = log(w) on the chosen experts and -1e9 elsewhere, with
 normalize_routing_weights=1; the op then weighs expert e by w_e / Σw, and the output is multiplied by Σw.
@@ -101,6 +102,17 @@ class _Lowering:
         scaled = self.emit("Mul", [y2, wsum], "moe_scaled")
         self.emit("Reshape", [scaled, self.emit("Shape", [x], "shape_of")], outputs=list(node.output))
 
+    def combine(self, node: onnx.NodeProto) -> None:
+        """MoeCombine (the combine of an expert-parallel MoE block): y = Σ_j w[t, j] · pair_out[t·k + j] in
+        float32, pair_out viewed as [B, T, k, d]."""
+        pair_out, wts = node.input
+        d = self.shapes[pair_out][-1]
+        shape = self.emit("Concat", [self.emit("Shape", [wts], "wshape"), self.const([d])], "pshape", axis=0)
+        pairs = self.emit("Cast", [self.emit("Reshape", [pair_out, shape], "pairs")], "pairs32", to=TensorProto.FLOAT)
+        weighted = self.emit("Mul", [pairs, self.emit("Unsqueeze", [wts, self.const([-1])], "w4d")], "weighted")
+        total = self.emit("ReduceSum", [weighted, self.const([2])], "combined", keepdims=0)
+        self.emit("Cast", [total], outputs=list(node.output), to=self.act_elem)
+
     def router_probs(self, x2: str, ids: str, w2: str, num_experts: int, k: int) -> str:
         """[tokens, E]: log(w) on the graph's chosen experts, NOT_CHOSEN elsewhere, in the activation dtype."""
         ids64 = self.emit("Cast", [self.emit("Reshape", [ids, self.const([-1, k])], "ids")], "ids64",
@@ -121,6 +133,8 @@ class _Lowering:
                 self.moe(node, MOE_FC1_INTERLEAVED, DEQUANT)
             elif node.domain == contracts.NAMESPACE and node.op_type == contracts.MOE_INT4.op_type:
                 self.moe(node, MOE_FC1_INTERLEAVED_INT4, INT4_DEQUANT)
+            elif node.domain == contracts.NAMESPACE and node.op_type == contracts.MOE_COMBINE.op_type:
+                self.combine(node)
             else:
                 self.nodes.append(node)
         return self.finish()

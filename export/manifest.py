@@ -16,7 +16,7 @@ from k2trt.export_manifest import FORMAT, graph_path, read_manifest
 from k2trt.files import sha256_file, write_json
 from k2trt.config import K2Config
 from k2trt.errors import K2Error
-from k2trt.config import BLOCK_KINDS
+from k2trt.config import BLOCK_KINDS, MOE_PART_KINDS
 from k2trt.export.block_graphs import IR_VERSION, OPSET
 from k2trt.export.onnx_ops import dims
 from k2trt.dtypes import BY_ONNX
@@ -70,10 +70,12 @@ def write_graph(out: Path, key: str, kind: str, form: str, model: onnx.ModelProt
 
 
 def make_manifest(cfg: K2Config, act_dtype: str, activation_quant: int, graphs: dict,
-                  expert_ranges: int = 1) -> dict:
+                  expert_ranges: int = 1, expert_parallel: int = 1) -> dict:
     layers = {kind: [] for kind in BLOCK_KINDS}
     for i in range(cfg.num_hidden_layers):
         layers[cfg.layer_kind(i)].append(i)
+    if expert_parallel > 1:  # the MoE blocks' parts serve the MoE layers
+        layers.update({kind: list(layers["moe_block"]) for kind in MOE_PART_KINDS})
     return {
         "format": FORMAT,
         "exporter_version": k2trt.__version__,
@@ -83,6 +85,7 @@ def make_manifest(cfg: K2Config, act_dtype: str, activation_quant: int, graphs: 
         "act_dtype": act_dtype,
         "activation_quant": activation_quant,
         "expert_ranges": expert_ranges,
+        "expert_parallel": expert_parallel,
         "opset": OPSET,
         "ir_version": IR_VERSION,
         "dims": DIMS,
@@ -96,14 +99,16 @@ def write_manifest(out: Path, manifest: dict) -> None:
 
 
 def load_if_current(out: Path, cfg: K2Config, act_dtype: str, activation_quant: int,
-                    expert_ranges: int = 1) -> dict | None:
-    """The existing manifest if it was written for the same config, dtype, mode, expert ranges and exporter code."""
+                    expert_ranges: int = 1, expert_parallel: int = 1) -> dict | None:
+    """The existing manifest if it was written for the same config, dtype, mode, expert ranges, expert parallelism
+    and exporter code."""
     try:
         m = read_manifest(out)
     except K2Error:
         return None
     same = (m.get("config_fingerprint") == cfg.fingerprint() and m.get("act_dtype") == act_dtype
             and m.get("activation_quant") == activation_quant and m.get("expert_ranges", 1) == expert_ranges
+            and m.get("expert_parallel", 1) == expert_parallel
             and m.get("exporter_version") == k2trt.__version__
             and m.get("exporter_fingerprint") == exporter_fingerprint())
     return m if same else None

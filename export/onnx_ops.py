@@ -267,6 +267,12 @@ class OnnxOps:
         ins = [x, topk_ids, topk_weights, gate_w, gate_s, up_w, up_s, down_w, down_s]
         return self._custom(contracts.MOE_FP8, ins, ["B", "T", down_w.shape[1]], activation_quant)
 
+    def moe_combine(self, pair_out, topk_weights):
+        """MoeCombine recorded as it is: a TensorRT plugin already (the ONNX Runtime form lowers it)."""
+        y = self.node(contracts.MOE_COMBINE.op_type, [pair_out, topk_weights], pair_out.dtype,
+                      domain=contracts.NAMESPACE, **plugin_attributes())
+        return self.annotate(y, ["B", "T", pair_out.shape[-1]])
+
     def moe_int4(self, x, topk_ids, topk_weights, gate_p, gate_s, up_p, up_s, down_p, down_s, group_size):
         ins = [x, topk_ids, topk_weights, gate_p, gate_s, up_p, up_s, down_p, down_s]
         y = self.node(contracts.MOE_INT4.op_type, ins, x.dtype, domain=contracts.NAMESPACE, **plugin_attributes(),

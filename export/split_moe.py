@@ -58,6 +58,12 @@ def ranges_needed(num_experts: int, per_expert_elements: int, limit: int = INT_M
     return parts
 
 
+def pairs_dim(token_dims: list, k: int) -> str:
+    """The (token, expert) pairs of x's leading dims and top-k, as a dim: "B*T*8" for a block's [B, T] tokens, "R"
+    for the experts graph of an expert-parallel block (rows [R, 1], top-1)."""
+    return "*".join(str(v) for v in [*token_dims, k] if v != 1)
+
+
 class _Split:
     def __init__(self, model: onnx.ModelProto, parts: int = 1):
         self.model = copy.deepcopy(model)
@@ -139,7 +145,7 @@ class _Split:
             raise ValueError(f"{node.name}: MoeFp8 needs static expert shapes and top-k, "
                              f"got E={e} I={inter} d={d} k={k}")
         h_type = onnx.TensorProto.FLOAT8E4M3FN if aq == contracts.W8A8 else act
-        n = f"B*T*{k}"  # pairs
+        n = pairs_dim(dims(self.types[x])[:-1], k)
         sorted_pairs, offsets = self.stage(
             contracts.MOE_ALIGN, p + "align", [ids],
             [(p + "sorted_pairs", onnx.TensorProto.INT32, [n]), (p + "expert_offsets", onnx.TensorProto.INT32, [e + 1])],
@@ -163,7 +169,7 @@ class _Split:
         if not all(isinstance(v, int) for v in (e, inter, d, k)):
             raise ValueError(f"{node.name}: MoeInt4 needs static expert shapes and top-k, "
                              f"got E={e} I={inter} d={d} k={k}")
-        n = f"B*T*{k}"
+        n = pairs_dim(dims(self.types[x])[:-1], k)
         p = f"{node.name}/"
         sorted_pairs, offsets = self.stage(
             contracts.MOE_ALIGN, p + "align", [ids],

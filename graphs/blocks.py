@@ -6,6 +6,7 @@ record the ONNX graphs. Each follows modeling_deepseek.py (see docs/ARCHITECTURE
   embedding(ids)                                    -> hidden [B, T, d]
   decoder_block(hidden, rope, mask, latent_cache)   -> hidden [B, T, d], latent_new [B, T, kv_lora + rope]
   head(hidden)                                      -> logits [B, T, V] float32
+  moe_front / local_experts / moe_combine           -> a MoE block split at the dispatch (expert parallelism)
 
 `w` maps weight names (checkpoint suffixes, graphs/weights.py) to tensors. Attention is the absorbed form over
 the latent cache: the past is read in place and never copied or concatenated with the new entries. Each linear is
@@ -162,13 +163,55 @@ def moe(ops, cfg: K2Config, x, w, activation_quant: int):
     return routed + swiglu(ops, cfg, "moe_block", x, w, "mlp.shared_experts", activation_quant)
 
 
+# ---- a MoE block split at the dispatch (expert parallelism) ------------------------------------------------
+# Each expert-parallel rank runs the front for its own tokens, sends each (token, expert) pair's moe_input row to
+# the rank owning the expert, runs local_experts over the rows it received, and combines the k outputs it gets
+# back for each of its tokens (runtime/distributed/expert_parallel.py): the same sums, in the same order, as
+# decoder_block's one graph.
+
+def moe_front(ops, cfg: K2Config, hidden, rope_cos, rope_sin, mask, latent_cache, w, activation_quant: int):
+    """A MoE block up to the dispatch: attention and its residual, the post-attention norm, the router and the
+    shared expert. -> (residual, moe_input, topk_ids int32 [B, T, k], topk_weights float32 [B, T, k], shared_out,
+    latent_new)."""
+    residual, latent_new = _attend(ops, cfg, "moe_block", hidden, rope_cos, rope_sin, mask, latent_cache, w,
+                                   activation_quant)
+    x = rms_norm(ops, residual, w["post_attention_layernorm.weight"], cfg.rms_norm_eps)
+    topk_ids, topk_weights = route(ops, cfg, x, w)
+    shared = swiglu(ops, cfg, "moe_block", x, w, "mlp.shared_experts", activation_quant)
+    return residual, x, ops.cast(topk_ids, "int32"), topk_weights, shared, latent_new
+
+
+def local_experts(ops, cfg: K2Config, rows, expert_ids, w, activation_quant: int):
+    """One rank's routed experts over the (token, expert) pairs dispatched to it: rows [R, d] (each pair's
+    moe_input row), expert_ids int32 [R] (the pair's expert among the rank's, 0 <= id < E/ep) -> expert_out
+    [R, d], each row its expert's output alone (weight 1: the weighting is the combine's). The same routed-experts
+    node as the whole block, one pair per row."""
+    x = ops.unsqueeze(rows, 1)  # [R, 1, d]: R "tokens" of one position, top-1
+    ids = ops.reshape(expert_ids, [-1, 1, 1])
+    ones = ops.cast(ids, F32) * 0.0 + 1.0
+    y = routed_experts(ops, cfg, x, ids, ones, w, activation_quant)
+    return ops.reshape(y, [-1, cfg.hidden_size])
+
+
+def moe_combine(ops, pair_out, topk_weights, shared, residual):
+    """The block's output on the tokens' own rank: pair_out [B·T·k, d] (pair t·k + j: token t's j-th expert
+    output) weighted and summed in float32 in j order, as the routed-experts node's last stage sums them, then the
+    shared expert and the residual added as decoder_block adds them."""
+    return residual + (ops.moe_combine(pair_out, topk_weights) + shared)
+
+
+def _attend(ops, cfg: K2Config, kind: str, hidden, rope_cos, rope_sin, mask, latent_cache, w, activation_quant: int):
+    """Pre-norm attention with its residual: -> (hidden + attention, latent_new)."""
+    a, latent_new = attention(ops, cfg, kind, rms_norm(ops, hidden, w["input_layernorm.weight"], cfg.rms_norm_eps),
+                              rope_cos, rope_sin, mask, latent_cache, w, activation_quant)
+    return hidden + a, latent_new
+
+
 def decoder_block(ops, cfg: K2Config, kind: str, hidden, rope_cos, rope_sin, mask, latent_cache, w,
                   activation_quant: int):
     """DeepseekV3DecoderLayer: pre-norm attention and FFN with residuals. kind: dense_block | moe_block."""
     eps = cfg.rms_norm_eps
-    a, latent_new = attention(ops, cfg, kind, rms_norm(ops, hidden, w["input_layernorm.weight"], eps),
-                              rope_cos, rope_sin, mask, latent_cache, w, activation_quant)
-    hidden = hidden + a
+    hidden, latent_new = _attend(ops, cfg, kind, hidden, rope_cos, rope_sin, mask, latent_cache, w, activation_quant)
     h = rms_norm(ops, hidden, w["post_attention_layernorm.weight"], eps)
     if kind == "moe_block":
         m = moe(ops, cfg, h, w, activation_quant)

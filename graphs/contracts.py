@@ -2,8 +2,9 @@
 
 Two families:
   * the nodes graphs/blocks.py records (RECORDED): Fp8BlockLinear, MoeFp8 and MoeInt4 (the INT4 routed experts of
-    K2-Thinking and K2.5). The torch reference registers them as torch.library custom ops, the ONNX Runtime lowering
-    replaces them;
+    K2-Thinking and K2.5), and MoeCombine where a MoE block is split at the dispatch for expert parallelism (its
+    combine graph). The torch reference registers the first three as torch.library custom ops (MoeCombine is its
+    reference, graphs/moe_ref.py), the ONNX Runtime lowering replaces them;
   * the nodes of the TensorRT-bound graphs (TENSORRT), each a TensorRT plugin that is exactly one kernel (so every
     one has an AOT implementation): Fp8BlockLinear, the four stages MoeFp8 is expanded into by
     export/split_moe.py (MOE_STAGES: align, gate+up, down, combine), and the four MoeInt4 is expanded into
@@ -176,7 +177,8 @@ MOE_DOWN = NodeContract(
 
 MOE_COMBINE = NodeContract(
     op_type="MoeCombine",
-    doc="Stage 4 of MoeFp8: y[t] = Σ_j topk_weights[t, j] · pair_out[t·k + j], summed in float32.",
+    doc="Stage 4 of MoeFp8: y[t] = Σ_j topk_weights[t, j] · pair_out[t·k + j], summed in float32 (recorded on its "
+        "own as the combine of a MoE block split for expert parallelism).",
     inputs=(
         Port("pair_out", ACTIVATION_DTYPES, "[n, d]"),
         Port("topk_weights", ("float32",), "[B, T, k]"),
@@ -240,7 +242,8 @@ MOE_DOWN_INT4 = NodeContract(
 )
 
 MOE_INT4_STAGES = (MOE_ALIGN, MOE_GATE_UP_INT4, MOE_DOWN_INT4, MOE_COMBINE)
-RECORDED = (FP8_BLOCK_LINEAR, MOE_FP8, MOE_INT4)  # what graphs/blocks.py records
+# what graphs/blocks.py records; MoeCombine only in the combine of a MoE block split for expert parallelism
+RECORDED = (FP8_BLOCK_LINEAR, MOE_FP8, MOE_INT4, MOE_COMBINE)
 # the nodes of the TensorRT-bound graphs: one plugin each
 TENSORRT = (FP8_BLOCK_LINEAR, *MOE_STAGES, MOE_GATE_UP_INT4, MOE_DOWN_INT4)
 CONTRACTS = {c.op_type: c for c in (*RECORDED, *TENSORRT)}

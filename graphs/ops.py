@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import k2trt.graphs.custom_ops  # noqa: F401  (registers torch.ops.k2trt.*)
 from k2trt.dtypes import torch_dtype
 from k2trt.graphs.fp8 import dequant_weight
+from k2trt.graphs.moe_ref import moe_combine_reference
 
 
 class TorchOps:
@@ -105,6 +106,10 @@ class TorchOps:
     def moe_fp8(self, x, topk_ids, topk_weights, gate_w, gate_s, up_w, up_s, down_w, down_s, activation_quant):
         return torch.ops.k2trt.moe_fp8(x, topk_ids, topk_weights, gate_w, gate_s, up_w, up_s, down_w, down_s,
                                        activation_quant)
+
+    def moe_combine(self, pair_out, topk_weights):
+        """The MoeCombine node (the routed experts' last stage), on its own where expert parallelism splits them."""
+        return moe_combine_reference(pair_out, topk_weights)
 
     # ---- INT4 routed experts (the MoeInt4 node) ------------------------------------------------------------
     def moe_int4(self, x, topk_ids, topk_weights, gate_p, gate_s, up_p, up_s, down_p, down_s, group_size):

@@ -74,6 +74,21 @@ class ReferenceModel:
     def head(self, hidden):
         return blocks.head(self.ops, self.cfg, hidden, self._globals(*self.global_names["head"]))
 
+    # ---- a MoE block split at the dispatch (expert parallelism; the weights hold one rank's experts) ------------
+    @torch.no_grad()
+    def moe_front(self, layer: int, hidden, rope_cos, rope_sin, mask, latent_cache):
+        return blocks.moe_front(self.ops, self.cfg, hidden, rope_cos.to(self.ops.act), rope_sin.to(self.ops.act),
+                                mask, latent_cache, self.layer_weights(layer), self.activation_quant)
+
+    @torch.no_grad()
+    def moe_experts(self, layer: int, rows, expert_ids, decode: bool = False):
+        return blocks.local_experts(self.ops, self.cfg, rows, expert_ids, self.layer_weights(layer),
+                                    self.activation_quant)
+
+    @torch.no_grad()
+    def moe_combine(self, layer: int, pair_out, topk_weights, shared_out, residual):
+        return blocks.moe_combine(self.ops, pair_out, topk_weights, shared_out, residual)
+
     # ---- whole-model conveniences -----------------------------------------------------------------
     @torch.no_grad()
     def forward_cached(self, input_ids, positions, mask, caches):

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from k2trt.config import ConfigError, K2Config
+from k2trt.config import MOE_PART_KINDS, ConfigError, K2Config
 from k2trt.dtypes import BF16, F32, FP8, torch_dtype
 from k2trt.graphs.fp8 import BLOCK, cdiv
 from k2trt.quantization import BF16 as BF16_FORMAT
@@ -277,9 +277,10 @@ def checkpoint_specs(cfg: K2Config) -> dict[str, TensorSpec]:
 # The MoE graph takes each expert projection of all experts stacked along a leading expert axis,
 # named after the checkpoint suffix with the expert index removed: mlp.experts.gate_proj.weight [E, I, d].
 
-def stacked_expert_specs(cfg: K2Config) -> list[TensorSpec]:
-    """Each routed-expert tensor stacked over the experts (an INT4 weight_shape is checked, not stacked)."""
-    e = cfg.n_routed_experts
+def stacked_expert_specs(cfg: K2Config, experts: int | None = None) -> list[TensorSpec]:
+    """Each routed-expert tensor stacked over the experts (an INT4 weight_shape is checked, not stacked): all of
+    them, or `experts` of them (one expert-parallel rank's share)."""
+    e = cfg.n_routed_experts if experts is None else experts
     return [replace(s, name=s.name.replace("mlp.experts.0.", "mlp.experts."), shape=(e, *s.shape))
             for s in expert_specs(cfg, 0) if s.kind != SHAPE]
 
@@ -290,17 +291,20 @@ def stacked_source_names(stacked_name: str, n_experts: int) -> list[str]:
     return [f"mlp.experts.{e}.{rest}" for e in range(n_experts)]
 
 
-def assemble_block_weights(cfg: K2Config, layer: int,
-                           read: Callable[[str, torch.Tensor | None], torch.Tensor]) -> dict[str, torch.Tensor]:
+def assemble_block_weights(cfg: K2Config, layer: int, read: Callable[[str, torch.Tensor | None], torch.Tensor],
+                           experts: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
     """The weight inputs of one layer's block graph, in spec order, each routed-expert projection stacked along
     a new leading expert axis. `read(suffix, out)` returns the checkpoint tensor `suffix` (the name after
     `model.layers.N.`): written into `out` when one is given (an expert's slice of its stack), else as the
-    source has it. The one place experts are stacked, whether they come from a file or from memory."""
+    source has it. `experts` = (first, stop): only those routed experts are read and stacked (an expert-parallel
+    rank's share, runtime/distributed/layout.expert_range). The one place experts are stacked, whether they come
+    from a file or from memory."""
+    first, stop = (0, cfg.n_routed_experts) if experts is None else experts
     out = {}
-    for spec in block_weight_specs(cfg, cfg.layer_kind(layer)):
+    for spec in block_weight_specs(cfg, cfg.layer_kind(layer), stop - first):
         if spec.name.startswith("mlp.experts."):
             out[spec.name] = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype))
-            for e, src in enumerate(stacked_source_names(spec.name, cfg.n_routed_experts)):
+            for e, src in enumerate(stacked_source_names(spec.name, cfg.n_routed_experts)[first:stop]):
                 read(src, out[spec.name][e])
         else:
             out[spec.name] = read(spec.name, None)
@@ -318,16 +322,31 @@ def as_graph_input(t: torch.Tensor, act: torch.dtype) -> torch.Tensor:
     return t.to(act) if t.dtype in (torch.bfloat16, torch.float16) else t
 
 
-def block_weight_specs(cfg: K2Config, kind: str) -> list[TensorSpec]:
-    """The weight inputs of one block graph (dense_block or moe_block): INT4 weight_shapes are not among them."""
+def block_weight_specs(cfg: K2Config, kind: str, experts: int | None = None) -> list[TensorSpec]:
+    """The weight inputs of one block graph (dense_block or moe_block; `experts` of the routed experts stacked,
+    default all): INT4 weight_shapes are not among them."""
     specs = norm_specs(cfg) + attention_specs(cfg, kind)
     if kind == "dense_block":
         specs += dense_mlp_specs(cfg)
     elif kind == "moe_block":
-        specs += router_specs(cfg) + stacked_expert_specs(cfg) + shared_expert_specs(cfg)
+        specs += router_specs(cfg) + stacked_expert_specs(cfg, experts) + shared_expert_specs(cfg)
     else:
         raise ValueError(f"unknown block kind {kind!r}")
     return [s for s in specs if s.kind != SHAPE]
+
+
+def moe_part_weight_specs(cfg: K2Config, kind: str, experts: int) -> list[TensorSpec]:
+    """The weight inputs of a MoE block's parts under expert parallelism (config.MOE_PART_KINDS): the front holds
+    all but the routed experts, the experts graph `experts` of them stacked, the combine none."""
+    whole = block_weight_specs(cfg, "moe_block", experts)
+    routed = [s for s in whole if s.name.startswith("mlp.experts.")]
+    if kind == "moe_front":
+        return [s for s in whole if s not in routed]
+    if kind == "moe_experts":
+        return routed
+    if kind == "moe_combine":
+        return []
+    raise ValueError(f"unknown MoE part {kind!r}")
 
 
 def embedding_weight_specs(cfg: K2Config) -> list[TensorSpec]:
@@ -338,11 +357,15 @@ def head_weight_specs(cfg: K2Config) -> list[TensorSpec]:
     return global_specs(cfg)[1:]
 
 
-def graph_weight_specs(cfg: K2Config, kind: str) -> list[TensorSpec]:
+def graph_weight_specs(cfg: K2Config, kind: str, experts: int | None = None) -> list[TensorSpec]:
+    """The weight inputs of one graph kind; `experts`: the routed experts one expert-parallel rank holds (the
+    moe_experts part)."""
     if kind == "embedding":
         return embedding_weight_specs(cfg)
     if kind == "head":
         return head_weight_specs(cfg)
+    if kind in MOE_PART_KINDS:
+        return moe_part_weight_specs(cfg, kind, cfg.n_routed_experts if experts is None else experts)
     return block_weight_specs(cfg, kind)
 
 

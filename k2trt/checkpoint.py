@@ -177,11 +177,13 @@ class Checkpoint:
         (a pipeline stage reads only its own files)."""
         return {name: self.tensor(name) for name in (self._globals if names is None else names)}
 
-    def block_weights(self, i: int) -> dict[str, torch.Tensor]:
+    def block_weights(self, i: int, experts: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
         """The weight inputs of layer i's block graph, in block_weight_specs order, routed experts stacked
-        to [E, ...]. Copies, read without mapping (one layer at a time; each expert into its slice of the stack)."""
+        to [E, ...] — only experts [first, stop) when `experts` is given (an expert-parallel rank reads no other
+        expert's bytes). Copies, read without mapping (one layer at a time; each expert into its slice of the
+        stack)."""
         prefix = layer_prefix(i)
-        return assemble_block_weights(self.config, i, lambda suffix, out: self.read(prefix + suffix, out))
+        return assemble_block_weights(self.config, i, lambda suffix, out: self.read(prefix + suffix, out), experts)
 
     # ---- headers and validation -----------------------------------------------------------------
     def _headers(self) -> dict[str, HeaderSpec]:

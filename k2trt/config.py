@@ -39,7 +39,17 @@ BLOCK_ACTIVATIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "moe_block": (("hidden_states", "rope_cos", "rope_sin", "attention_mask", "latent_cache"),
                   ("hidden_states_out", "latent_new")),
     "head": (("hidden_states",), ("logits",)),
+    # a MoE block split at the dispatch, for expert parallelism (graphs/blocks.py moe_front, local_experts,
+    # moe_combine): attention + router + shared expert; one rank's routed experts over the rows dispatched to it;
+    # the combine on the tokens' own rank
+    "moe_front": (("hidden_states", "rope_cos", "rope_sin", "attention_mask", "latent_cache"),
+                  ("residual", "moe_input", "topk_ids", "topk_weights", "shared_out", "latent_new")),
+    "moe_experts": (("expert_rows", "expert_ids"), ("expert_out",)),
+    "moe_combine": (("pair_out", "topk_weights", "shared_out", "residual"), ("hidden_states_out",)),
 }
+# The MoE block's parts under expert parallelism: exported (and built) besides the block kinds by
+# `k2trt export --expert-parallel E`, whose E fixes the experts graph's expert count.
+MOE_PART_KINDS = ("moe_front", "moe_experts", "moe_combine")
 
 
 @dataclass(frozen=True)
@@ -450,6 +460,35 @@ def kimi_k2_thinking() -> K2Config:
     """Kimi-K2-Thinking: K2's text model at 256k context, its routed experts INT4."""
     return dataclasses.replace(K2Config(), max_position_embeddings=262144, rope_scaling=RopeScaling(factor=64.0),
                                quantization=parse_quantization(KIMI_K2_THINKING_QUANTIZATION, "kimi-k2-thinking"))
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_expert_parallel(cfg: K2Config, expert_parallel: int) -> None:
+    """One line for an expert-parallel size that does not divide the routed experts (DeepseekV3MoE gives every
+    rank n_routed_experts // ep_size of them), naming the nearest that do."""
+    e = expert_parallel
+    if e < 1:
+        raise ConfigError(f"--expert-parallel must be >= 1, got {e}")
+    if cfg.n_routed_experts % e:
+        near = divisors(cfg.n_routed_experts)
+        below = max(d for d in near if d < e)
+        above = min((d for d in near if d > e), default=None)
+        choice = f"{below}" + (f" or {above}" if above else "")
+        raise ConfigError(f"--expert-parallel {e} does not divide the {cfg.n_routed_experts} routed experts "
+                          f"(nearest that do: {choice})")
+
+
+def expert_range(cfg: K2Config, expert_parallel: int, expert_rank: int) -> tuple[int, int]:
+    """The routed experts [first, stop) expert-parallel rank `expert_rank` of `expert_parallel` holds: contiguous,
+    n_routed_experts // ep_size each, as modeling_deepseek.py's DeepseekV3MoE assigns them (expert i lives on rank
+    i // experts_per_rank). The one definition the planner, the weights a rank reads, the exported experts graph
+    and the dispatch share."""
+    check_expert_parallel(cfg, expert_parallel)
+    n = cfg.n_routed_experts // expert_parallel
+    return expert_rank * n, (expert_rank + 1) * n
 
 
 def tiny() -> K2Config:

@@ -80,3 +80,13 @@ def check_matches(manifest: dict, cfg: K2Config, where: str) -> None:
     if manifest["config_fingerprint"] != cfg.fingerprint():
         raise K2Error(f"{where}: the graphs were exported for another config "
                       f"(fingerprint {manifest['config_fingerprint']}, checkpoint {cfg.fingerprint()}); re-export")
+
+
+def check_expert_parallel_export(manifest: dict, expert_parallel: int, where: str) -> None:
+    """Refuse to run --expert-parallel E on graphs (or engines built from graphs) not exported for it: the experts
+    graph holds 1/E of the routed experts."""
+    exported = manifest.get("expert_parallel", 1)
+    if exported != expert_parallel:
+        have = f"for --expert-parallel {exported}" if exported > 1 else "without --expert-parallel"
+        raise K2Error(f"{where}: exported {have}; --expert-parallel {expert_parallel} needs graphs from "
+                      f"`k2trt export --expert-parallel {expert_parallel}` (and engines built from them)")

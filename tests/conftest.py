@@ -74,3 +74,16 @@ def tiny_int4_export(tiny_int4_ckpt, tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny-int4-onnx")
     export(K2Config.from_json(tiny_int4_ckpt), out, "float32", log=lambda *a: None)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_ep_exports(tiny_ckpt, tmp_path_factory):
+    """export --expert-parallel E of the tiny checkpoint (float32), E = 2 and 4: {E: directory}."""
+    from k2trt.config import K2Config
+    from k2trt.export.exporter import export
+
+    out = {}
+    for e in (2, 4):
+        out[e] = tmp_path_factory.mktemp(f"tiny-onnx-ep{e}")
+        export(K2Config.from_json(tiny_ckpt), out[e], "float32", log=lambda *a: None, expert_parallel=e)
+    return out

@@ -38,6 +38,8 @@ def test_the_table_covers_every_plugin_node_kind_dtype_mode_and_config():
                 assert want in kinds, want
     assert set(AOT_NODES) == {c.op_type for c in contracts.TENSORRT}
     assert {r.source.split()[0] for r in requests} == {*AC.CONFIGS, "doctor"}
+    assert {r.source for r in requests if " at EP " in r.source} == {
+        f"{name} at EP {e} {kind}" for name, e in AC.EXPERT_PARALLEL.items() for kind in ("moe_experts", "moe_combine")}
     # every tactic of every node is asked for
     for op, row in AOT_NODES.items():
         assert {r.tactic for r in requests if r.op_type == op} == set(row.every_tactic())

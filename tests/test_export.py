@@ -10,7 +10,7 @@ import torch
 from onnx import helper
 
 from k2trt.config import K2Config
-from k2trt.config import BLOCK_KINDS
+from k2trt.config import BLOCK_KINDS, MOE_PART_KINDS
 from k2trt.export.block_graphs import activation_io, build_block_graph
 from k2trt.export.checks import GraphCheckError, check_trt_operators
 from k2trt.export.exporter import export
@@ -137,9 +137,10 @@ def _follows_contract(node, seen: set) -> None:
 def test_custom_nodes_follow_their_contracts():
     seen = set()
     for cfg in (TINY, TINY_INT4):
-        for node in build_block_graph(cfg, "moe_block").graph.node:
-            if node.domain == contracts.NAMESPACE:
-                _follows_contract(node, seen)
+        for kind in ("moe_block", *MOE_PART_KINDS):
+            for node in build_block_graph(cfg, kind, experts=96).graph.node:
+                if node.domain == contracts.NAMESPACE:
+                    _follows_contract(node, seen)
     assert seen == {c.op_type for c in contracts.RECORDED}
 
 

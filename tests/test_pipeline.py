@@ -1,8 +1,10 @@
-"""Many devices on a CPU: the placement planner at K2 size, and pipeline stages as real processes over gloo.
+"""Many devices on a CPU: the placement planner at K2 size, and pipeline stages and expert-parallel ranks as real
+processes over gloo.
 
 Greedy and seeded tokens of a ragged batch (with an early stop token and a stop string) must equal the single
-process's at world sizes 1, 2 and 3; a rank that fails ends every rank with one line; torchrun runs the same
-command."""
+process's at world sizes 1, 2 and 3, at EP 2 and 4, PP 2 × EP 2 and PP 2 with 2 micro-batches in flight, and under a
+router that sends every token to one rank's experts; a rank that fails, or is killed mid-step, ends every rank with
+one line; torchrun runs the same command."""
 
 from __future__ import annotations
 
@@ -158,6 +160,35 @@ def test_pipeline_tokens_equal_the_single_process(tiny_ckpt, tiny_export, single
         assert results(generate(tiny_ckpt, tiny_export, sampled)) == seeded
 
 
+SAMPLED = ["--temperature", "0.9", "--top-p", "0.95", "--seed", "7"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["--expert-parallel 2", "--expert-parallel 4", "--pipeline 2 --expert-parallel 2",
+                                    "--pipeline 2 --micro-batches 2"])
+def test_expert_parallel_and_micro_batches_give_the_single_process_tokens(tiny_ckpt, tiny_export, tiny_ep_exports,
+                                                                          single, layout):
+    """Three ragged sequences with early stops: at EP 4 one rank holds none of them and serves its experts; with
+    2 micro-batches in flight the lanes hold two and one."""
+    rules, greedy, seeded = single
+    flags = layout.split()
+    e = int(flags[flags.index("--expert-parallel") + 1]) if "--expert-parallel" in flags else 1
+    onnx = tiny_ep_exports[e] if e > 1 else tiny_export
+    assert results(generate(tiny_ckpt, onnx, rules + flags + ["--dist-timeout", "60"])) == greedy
+    assert results(generate(tiny_ckpt, onnx, rules + SAMPLED + flags + ["--dist-timeout", "60"])) == seeded
+
+
+@pytest.mark.slow
+def test_a_router_choosing_one_ranks_experts_gives_the_single_process_tokens(tiny_ckpt, tiny_ep_exports, tmp_path):
+    """Every token's every expert on rank 0 (a correction bias in a copy of the checkpoint): rank 1 computes no
+    expert, rank 0 all of them, and the tokens are still one process's."""
+    from test_expert_parallel import one_rank_router
+
+    biased = one_rank_router(tiny_ckpt, tmp_path / "biased")
+    alone = results(generate(biased, tiny_ep_exports[2], []))
+    assert results(generate(biased, tiny_ep_exports[2], ["--expert-parallel", "2", "--dist-timeout", "60"])) == alone
+
+
 @pytest.mark.slow
 def test_an_explicit_stage_split_gives_the_same_tokens(tiny_ckpt, tiny_export, single):
     rules, greedy, _ = single
@@ -212,30 +243,50 @@ def _child_with_rank(parent: int, rank: int) -> int | None:
     return None
 
 
-@pytest.mark.slow
-def test_a_killed_rank_ends_every_rank(tiny_ckpt, tiny_export):
-    """A rank that dies without a word (SIGKILL) while the pipeline steps still ends the run, naming it, within
-    the timeout. It is killed once rank 0 has streamed its first text: loaded and stepping, with thousands of
-    steps to go."""
+def killed_mid_step(ckpt, onnx, flags: list[str], victim: int) -> tuple[int, list[str], float]:
+    """Generate thousands of tokens over ranks, SIGKILL rank `victim` once rank 0 has streamed its first text
+    (loaded and stepping): -> (exit status, stderr lines, seconds to the end)."""
     import signal
 
     from servers import HANG_S, wait_until
 
-    args = ["generate", "--model", str(tiny_ckpt), "--onnx", str(tiny_export), "--prompt", "Hi",
-            "--max-new-tokens", "5000", "--max-context", "8000", "--pipeline", "2", "--dist-timeout", "20"]
+    args = ["generate", "--model", str(ckpt), "--onnx", str(onnx), "--prompt", "Hi", "--max-new-tokens", "5000",
+            "--max-context", "8000", "--dist-timeout", "20", *flags]
+    t0 = time.monotonic()
     proc = subprocess.Popen(K2TRT + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        victim = wait_until(lambda: _child_with_rank(proc.pid, 1), "rank 1 to start", every_s=0.1)
+        pid = wait_until(lambda: _child_with_rank(proc.pid, victim), f"rank {victim} to start", every_s=0.1)
         assert proc.stdout.read(1), "rank 0 streamed nothing"  # the first character of the generated text
-        os.kill(victim, signal.SIGKILL)
-        out, err = proc.communicate(timeout=HANG_S)
+        os.kill(pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=HANG_S)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    lines = err.strip().splitlines()
-    assert proc.returncode == 2 and lines[-1].startswith("k2trt generate: error: rank 1 "), err[-2000:]
+    return proc.returncode, err.strip().splitlines(), time.monotonic() - t0
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_every_rank(tiny_ckpt, tiny_export):
+    """A rank that dies without a word (SIGKILL) while the pipeline steps still ends the run, naming it, within
+    the timeout."""
+    code, lines, _ = killed_mid_step(tiny_ckpt, tiny_export, ["--pipeline", "2"], 1)
+    assert code == 2 and lines[-1].startswith("k2trt generate: error: rank 1 "), lines
     assert "signal 9" in lines[-1] or "lost contact" in lines[-1] or "rank 1 failed" in lines[-1]
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_step_ends_every_expert_parallel_rank(tiny_ckpt, tiny_ep_exports):
+    """PP 2 × EP 2: an expert-parallel rank of the last stage, SIGKILLed while the ranks step, ends the run in one
+    line within the timeout: its stage partner loses it in an all-to-all, rank 0 waiting for ids, the launcher
+    names it."""
+    from servers import HANG_S
+
+    code, lines, seconds = killed_mid_step(tiny_ckpt, tiny_ep_exports[2], ["--pipeline", "2", "--expert-parallel",
+                                                                          "2"], 3)
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("k2trt generate: error: rank 3 ") and "signal 9" in lines[0], lines
+    assert seconds < HANG_S
 
 
 @pytest.mark.slow
@@ -255,13 +306,124 @@ def test_torchrun_runs_the_same_command(tiny_ckpt, tiny_export, single):
         == greedy
 
 
-@pytest.mark.slow
-def test_bench_reports_the_pipeline_against_one_process(tiny_ckpt, tiny_export):
-    r = subprocess.run(K2TRT + ["bench", "--model", str(tiny_ckpt), "--onnx", str(tiny_export), "--pipeline", "2",
-                                "--batch", "2", "--prompt-len", "8", "--new-tokens", "4", "--repeat", "1", "--json"],
+def bench(tiny_ckpt, onnx, *flags):
+    r = subprocess.run(K2TRT + ["bench", "--model", str(tiny_ckpt), "--onnx", str(onnx), "--batch", "2",
+                                "--prompt-len", "8", "--new-tokens", "4", "--repeat", "1", "--json", *flags],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_bench_reports_the_pipeline_against_one_process(tiny_ckpt, tiny_export):
+    out = bench(tiny_ckpt, tiny_export, "--pipeline", "2", "--micro-batches", "1,2")
     single, piped = out["single_process"], out["pipeline"]
     assert single["ms_per_decode_step"] > 0 and piped["ms_per_decode_step"] > 0 and piped["stages"] == 2
     assert 0 <= piped["transfer_share"] < 1
+    assert [run["micro_batches"] for run in out["runs"]] == [1, 2] and all(
+        run["decode_tokens_per_s"] > 0 for run in out["runs"])
+
+
+@pytest.mark.slow
+def test_bench_reports_the_all_to_all_of_expert_parallel_ranks(tiny_ckpt, tiny_ep_exports):
+    out = bench(tiny_ckpt, tiny_ep_exports[2], "--expert-parallel", "2")
+    piped, cfg = out["pipeline"], K2Config.from_json(tiny_ckpt)
+    assert out["expert_parallel"] == 2 and out["stages"] == 1 and out["single_process"]["ms_per_decode_step"] > 0
+    assert 0 < piped["all_to_all_share"] < 1
+    # a decode step of two sequences: each rank sends the other its pairs for the other's experts and gets their
+    # outputs back, at most 2 × k rows of d float32 each way per MoE layer (and the counts)
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    most = moe_layers * 2 * (2 * cfg.num_experts_per_tok * cfg.hidden_size * 4 + cfg.n_routed_experts * 8)
+    assert 0 < piped["bytes_per_decode_step"] <= most
+
+
+@pytest.mark.slow
+def test_serve_over_expert_parallel_ranks_and_micro_batches(tiny_ckpt, tiny_export, tiny_ep_exports):
+    """`serve --pipeline 2 --expert-parallel 2 --micro-batches 2`: requests arriving together, greedy and seeded,
+    get the text one process generates for each alone."""
+    import concurrent.futures as cf
+
+    from servers import Server
+
+    from k2trt.checkpoint import Checkpoint
+    from k2trt.runtime.backends.factory import BackendChoice, open_backend
+    from k2trt.runtime.generation.generator import Generator
+    from k2trt.runtime.generation.sampling import SamplingParams
+    from k2trt.runtime.text.text_stream import StopRules
+    from k2trt.runtime.text.tokenizer import KimiTokenizer
+
+    ckpt, tok = Checkpoint.open(tiny_ckpt), KimiTokenizer.from_dir(tiny_ckpt)
+    gen = Generator(open_backend(BackendChoice("ort", tiny_export), ckpt), ckpt.config)
+    cases = [(p, SamplingParams(temperature=t, top_p=tp, seed=s)) for p in PROMPTS
+             for t, tp, s in ((0.0, 1.0, 0), (0.9, 0.95, 7))]
+    alone = [gen.generate([tok.encode(p)], 10, params, StopRules.of(tok))[0][0].text for p, params in cases]
+    s = Server(tiny_ckpt, tiny_ep_exports[2], "--pipeline", "2", "--expert-parallel", "2", "--micro-batches", "2",
+               "--max-context", "512", "--dist-timeout", "60")
+    try:
+        def ask(case):
+            prompt, params = case
+            r = s.client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=params.temperature,
+                                            top_p=params.top_p, seed=params.seed)
+            return r.choices[0].text
+
+        with cf.ThreadPoolExecutor(len(cases)) as pool:
+            assert list(pool.map(ask, cases)) == alone
+    finally:
+        assert s.stop() == 0, s.output()
+
+
+def _exchange_messages(rank: int, port: int, sizes: list[int], out) -> None:
+    """Rank 0 sends messages of these sizes to rank 1, which posts each receive before reading the last."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from k2trt.runtime.distributed.pipeline import Transport
+    from k2trt.runtime.distributed.world import World
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: loopback, as the launcher sets it
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    world = World(rank, 2, rank, store, dist.group.WORLD, dist.group.WORLD, 60.0)
+    tr = Transport(world, torch.device("cpu"))
+    blobs = [bytes((i * 7 + n) % 256 for i in range(n)) for n in sizes]
+    if rank == 0:
+        for blob in blobs:
+            tr.send_message(1, blob)
+        tr.flush()
+    else:
+        posted = tr.expect_message(0)
+        got = []
+        for _ in blobs:
+            blob = tr.message(posted, 0)
+            posted = tr.expect_message(0) if len(got) + 1 < len(blobs) else None
+            got.append(blob)
+        out.put(got == blobs)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_messages_of_any_length_arrive_whole():
+    """A step's message is one frame of FRAME bytes, and past it a second part: lengths around the frame's edge
+    and far past it arrive whole and in order."""
+    import multiprocessing
+
+    from k2trt.runtime.distributed.pipeline import FRAME
+    from k2trt.tools.bench_serve import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    sizes = [0, 5, FRAME - 8, FRAME - 7, FRAME, 5 * FRAME + 3, 17]
+    port = free_port()
+    procs = [ctx.Process(target=_exchange_messages, args=(r, port, sizes, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        assert out.get(timeout=120) is True
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    assert all(p.exitcode == 0 for p in procs)

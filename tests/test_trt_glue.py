@@ -93,6 +93,23 @@ def test_profiles_of_an_exported_block_graph(exported):
     assert decode.shapes["rope_cos"].max == (8, 1, TINY.qk_rope_head_dim // 2)
 
 
+def test_profiles_of_the_expert_parallel_parts(tmp_path):
+    """The experts engine's rows R: in decode up to every rank's batch on one rank (E·B·k), in prefill one rank's
+    B·T·k per call; the front and the combine keep B and T (the combine's pairs B·T·k)."""
+    from k2trt.export.exporter import export
+
+    m = export(TINY, tmp_path / "onnx", "bfloat16", 1, log=lambda *a, **k: None, expert_parallel=4)
+    spec = ProfileSpec()
+    prefill, decode = graph_profiles(spec, m["graphs"]["trt/moe_experts"])
+    assert prefill.shapes["expert_rows"] == ShapeRange((1, TINY.hidden_size), (512 * 8, TINY.hidden_size),
+                                                       (8 * 2048 * 8, TINY.hidden_size))
+    assert decode.shapes["expert_ids"] == ShapeRange((1,), (8,), (4 * 8 * 8,))
+    combine = graph_profiles(spec, m["graphs"]["trt/moe_combine"])[0]
+    assert combine.shapes["pair_out"].max == (8 * 2048 * 8, TINY.hidden_size)
+    assert graph_profiles(spec, m["graphs"]["trt/moe_front"])[1].shapes["latent_cache"].max == \
+        (8, 4096, TINY.latent_dim)
+
+
 def test_defaults_and_flags():
     p = argparse.ArgumentParser()
     add_profile_arguments(p)
@@ -703,6 +720,24 @@ def test_doctor_block_engines_build_on_the_standin(standin, monkeypatch, tmp_pat
     asked = sum(_graph_on_standin(standin, compiled, tmp_path, _trt_graph(kind, act, aq))
                 for kind in ("dense_block", "moe_block"))
     assert asked >= 2 * 3 + 4  # the linears' and GEMMs' tactics, align and combine
+
+
+@pytest.mark.slow
+def test_expert_parallel_parts_build_on_the_standin(standin, monkeypatch, tmp_path, aot_compiled):
+    """The MoE block's parts for EP 2 (bfloat16, both FP8 modes, FP8 and INT4 experts): every plugin node — the
+    front's linears, the experts' align / gate+up / down over 192 experts and their top-1 combine, the combine's
+    MoeCombine — parsed, typed and given every tactic's launch, each configuration really compiled."""
+    from k2trt.export.split_moe import split_moe
+
+    plugins.register_plugins()
+    compiled = _real_compiles(monkeypatch, aot_compiled)
+    asked = 0
+    for cfg in (TINY, K2Config.preset("tiny-int4")):
+        for aq in (1, 0):
+            for kind in ("moe_front", "moe_experts", "moe_combine"):
+                model = split_moe(build_block_graph(cfg, kind, "bfloat16", aq, experts=192))
+                asked += _graph_on_standin(standin, compiled, tmp_path, model, {"B": 2, "T": 3, "R": 5})
+    assert asked > 0
 
 
 @pytest.mark.slow

@@ -2,8 +2,8 @@
 architecture, on a CPU (Triton's compiler and its bundled ptxas; no GPU, no TensorRT).
 
 The launches are those of the plugin nodes in the TensorRT-bound graphs (every node kind, every activation dtype,
-both FP8 modes, the tiny and K2 configs with FP8 and with INT4 experts — K2 also in expert ranges —, every
-tactic) and of `k2trt doctor`'s
+both FP8 modes, the tiny and K2 configs with FP8 and with INT4 experts — K2 also in expert ranges, each also split
+for expert parallelism —, every tactic) and of `k2trt doctor`'s
 one-node cases, each made by the
 plugins' own table (runtime/trt/aot_nodes.py). Launches that compile to the same code (aot.config_key) are
 compiled once. For each: the configuration compile_launch settles on (it shrinks until the shared memory fits
@@ -53,9 +53,10 @@ def node_requests(source: str, op_type: str, act: str | None, aq: int, sizes: di
     return [Request(source, op_type, t, row.launch(act, aq, t, sizes)) for t in row.every_tactic()]
 
 
-def graph_requests(cfg_name: str, act: str, aq: int, expert_ranges: int = 1) -> list[Request]:
+def graph_requests(cfg_name: str, act: str, aq: int, expert_ranges: int = 1, expert_parallel: int = 1
+                   ) -> list[Request]:
     """Every launch of every plugin node in a config's TensorRT-bound graphs (export/split_moe form, with its
-    routed experts in `expert_ranges` ranges)."""
+    routed experts in `expert_ranges` ranges; with `expert_parallel` E, the MoE block's parts for E ranks)."""
     import onnx
 
     from k2trt.dtypes import BY_ONNX
@@ -67,9 +68,13 @@ def graph_requests(cfg_name: str, act: str, aq: int, expert_ranges: int = 1) -> 
 
     cfg = K2Config.preset(cfg_name)
     out = []
-    source = cfg_name + ("" if expert_ranges == 1 else f" in {expert_ranges} expert ranges")
-    for kind in ("dense_block", "moe_block") if expert_ranges == 1 else ("moe_block",):  # no plugin elsewhere
-        model = split_moe(build_block_graph(cfg, kind, act, aq), expert_ranges)
+    source = cfg_name + ("" if expert_ranges == 1 else f" in {expert_ranges} expert ranges") + \
+        ("" if expert_parallel == 1 else f" at EP {expert_parallel}")
+    kinds = ("moe_experts", "moe_combine") if expert_parallel > 1 else \
+        ("dense_block", "moe_block") if expert_ranges == 1 else ("moe_block",)  # no plugin elsewhere
+    for kind in kinds:
+        experts = cfg.n_routed_experts // expert_parallel
+        model = split_moe(build_block_graph(cfg, kind, act, aq, experts), expert_ranges)
         types = value_types(model)
         for node in model.graph.node:
             if node.domain != contracts.NAMESPACE:
@@ -108,6 +113,11 @@ def case_sizes(case) -> dict:
 # K2's fallback for a TensorRT that refuses plugin inputs over 2^31 elements (export --expert-ranges 3); doctor's
 # K2-size cases (plugin_cases.large_case: 384 experts and one range of 128) have these graphs' sizes
 RANGED = {"kimi-k2": 3}
+# the expert-parallel parts (export --expert-parallel E): their kernels are the block's, specialized on the rank's
+# expert count (and a top-1 combine); one E per config — the tests' for the tiny ones, the README's EP 8 for K2
+# in bfloat16, the dtype engines are built in (the kernels' fit per dtype is the whole blocks' to check)
+EXPERT_PARALLEL = {"tiny": 2, "tiny-int4": 2, "kimi-k2": 8, "kimi-k2-thinking": 8}
+EXPERT_PARALLEL_DTYPE = "bfloat16"
 
 
 def all_requests(configs=CONFIGS, dtypes=contracts.ACTIVATION_DTYPES, modes=MODES, cases: bool = True):
@@ -118,6 +128,8 @@ def all_requests(configs=CONFIGS, dtypes=contracts.ACTIVATION_DTYPES, modes=MODE
                 out += graph_requests(name, act, aq)
                 if name in RANGED:
                     out += graph_requests(name, act, aq, RANGED[name])
+                if name in EXPERT_PARALLEL and act == EXPERT_PARALLEL_DTYPE:
+                    out += graph_requests(name, act, aq, expert_parallel=EXPERT_PARALLEL[name])
             if cases:
                 out += case_requests(act, aq)
     return out

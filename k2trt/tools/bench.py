@@ -35,7 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
     from k2trt.runtime.commands.model import add_pipeline_arguments
 
-    add_pipeline_arguments(p)  # --pipeline N: the per-step time of N stages against one process (pipeline_bench)
+    # --pipeline P / --expert-parallel E: the per-step time of the ranks against one process (pipeline_bench)
+    add_pipeline_arguments(p, micro_batch_list=True)
 
 
 @dataclass
@@ -174,7 +175,9 @@ def run(args) -> int:
         raise K2Error("--new-tokens must be >= 2 and --repeat >= 1")
     from k2trt.runtime.distributed.world import launched
 
-    if args.pipeline is not None or launched():
+    if args.micro_batches != [1] and args.pipeline is None and not launched():
+        raise K2Error("--micro-batches keeps several steps in flight through pipeline stages: give --pipeline too")
+    if args.pipeline is not None or args.expert_parallel is not None or launched():
         from k2trt.tools import pipeline_bench
 
         return pipeline_bench.run(args)

@@ -1,10 +1,14 @@
-"""`k2trt bench --pipeline N`: the per-step time of pipeline stages, and the share of it spent moving messages,
-in the same run as a single process on the same prompts (the first --batch and --prompt-len).
+"""`k2trt bench --pipeline P [--expert-parallel E] [--micro-batches 1,2]`: the per-step time of P stages × E
+expert-parallel ranks, in the same run as a single process on the same prompts (the first --batch and
+--prompt-len), once per micro-batch count.
 
-The user's process measures the single process first, then starts the N ranks (runtime/distributed/launch.py) with
-that row in their environment; rank 0 measures the pipeline, gathers every rank's counters when it ends the
-pipeline (runtime/distributed/session.RankStats), and prints both rows. The transfer share is rank 0's time in
-sends, receives and broadcasts less what the other ranks were busy with meanwhile, over its step time.
+The user's process measures the single process first, then starts the P × E ranks (runtime/distributed/launch.py)
+with that row in their environment; rank 0 measures the pipeline with each micro-batch count in turn, gathers every
+rank's counters when it ends the pipeline (runtime/distributed/session.RankStats), and prints every row. With one
+micro-batch the transfer share is rank 0's time in sends and receives less what the other ranks were busy with
+meanwhile, over its step time. Under expert parallelism, the all-to-all share is each rank's time inside its MoE
+layers' all-to-alls (waiting for the others included) over its step time, averaged over the ranks, and the bytes
+moved per decode step are what all ranks sent to other ranks in decode steps, per step.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ def single_process(args) -> dict:
     from k2trt.runtime.generation.generator import Generator
     from k2trt.runtime.commands.model import load_model
 
-    loaded = load_model(args, BackendChoice("ort", args.onnx), command="bench")
+    loaded = load_model(args, BackendChoice("ort", args.onnx), command="bench", micro_batches=1)
     gen = Generator(loaded.backend, loaded.config)
     return measure(gen, prompts_of(args, loaded.config), args.new_tokens, args.repeat)
 
@@ -43,43 +47,76 @@ def prompts_of(args, cfg) -> list[list[int]]:
     return synthetic_prompts(cfg, args.batch[0], args.prompt_len[0])
 
 
-def render(single: dict | None, piped: dict, stages: int, share: float) -> str:
-    head = f"{'':<22}{'ms/decode step':>16}{'prefill tok/s':>15}{'decode tok/s':>14}{'transfer share':>16}"
-    rows = [head]
+def layout_label(stages: int, experts: int) -> str:
+    return " × ".join(x for x in (f"{stages} stage{'s' * (stages != 1)}" if stages > 1 or experts == 1 else "",
+                                  f"EP {experts}" if experts > 1 else "") if x)
+
+
+def render(single: dict | None, rows: list[dict], stages: int, experts: int, shares: dict) -> str:
+    head = (f"{'':<34}{'ms/decode step':>16}{'prefill tok/s':>15}{'decode tok/s':>14}{'decode ×1':>11}"
+            f"{'transfer share':>16}")
+    lines = [head]
     if single:
-        rows.append(f"{'single process':<22}{single['ms_per_decode_step']:>16}{single['prefill_tokens_per_s']:>15}"
-                    f"{single['decode_tokens_per_s']:>14}{'-':>16}")
-    label = f"pipeline, {stages} stages"
-    rows.append(f"{label:<22}{piped['ms_per_decode_step']:>16}{piped['prefill_tokens_per_s']:>15}"
-                f"{piped['decode_tokens_per_s']:>14}{share:>15.1%}")
+        lines.append(f"{'single process':<34}{single['ms_per_decode_step']:>16}{single['prefill_tokens_per_s']:>15}"
+                     f"{single['decode_tokens_per_s']:>14}{'':>11}{'-':>16}")
+    base = rows[0]["decode_tokens_per_s"]
+    for row in rows:
+        m = row["micro_batches"]
+        label = f"{layout_label(stages, experts)}, {m} micro-batch{'es' * (m != 1)}"
+        share = f"{shares['transfer_share']:.1%}" if m == 1 and len(rows) == 1 else "-"
+        gain = f"{row['decode_tokens_per_s'] / base:.2f}×" if base else "-"
+        lines.append(f"{label:<34}{row['ms_per_decode_step']:>16}{row['prefill_tokens_per_s']:>15}"
+                     f"{row['decode_tokens_per_s']:>14}{gain:>11}{share:>16}")
     if single and single["ms_per_decode_step"]:
-        ratio = piped["ms_per_decode_step"] / single["ms_per_decode_step"]
-        rows.append(f"a decode step through {stages} stages takes {ratio:.2f}x the single process's")
-    return "\n".join(rows)
+        ratio = rows[0]["ms_per_decode_step"] / single["ms_per_decode_step"]
+        lines.append(f"a decode step through {layout_label(stages, experts)} takes {ratio:.2f}x the single "
+                     f"process's (one micro-batch: {rows[0]['micro_batches']})")
+    if experts > 1:
+        lines.append(f"all-to-all: {shares['all_to_all_share']:.1%} of each rank's step time; "
+                     f"{shares['bytes_per_decode_step'] / 1e3:.1f} kB moved between ranks per decode step")
+    return "\n".join(lines)
+
+
+def rank_shares(stats, decode_steps: int) -> dict:
+    """Transfer share (rank 0, one micro-batch), all-to-all share (mean over ranks), bytes per decode step."""
+    from k2trt.runtime.distributed.session import transfer_share
+
+    a2a = [s.exchange.seconds / s.step_s for s in stats if s.step_s]
+    return {"transfer_share": round(transfer_share(stats), 4),
+            "all_to_all_share": round(sum(a2a) / len(a2a), 4) if a2a else 0.0,
+            "bytes_per_decode_step": sum(s.exchange.decode_bytes for s in stats) / max(1, decode_steps)}
 
 
 def run(args) -> int:
+    from k2trt.runtime.commands.model import load_model
     from k2trt.runtime.distributed.launch import run_pipeline
-    from k2trt.runtime.distributed.session import transfer_share
+    from k2trt.runtime.distributed.micro_batches import MicroBatchScheduler
     from k2trt.runtime.distributed.world import launched
     from k2trt.runtime.generation.generator import Generator
-    from k2trt.runtime.commands.model import load_model
 
+    experts = args.expert_parallel or 1
     if not launched():
         os.environ[SINGLE_ENV] = json.dumps(single_process(args))
-        return run_pipeline(args.argv, args.pipeline)
-    loaded = load_model(args, BackendChoice("ort", args.onnx), command="bench")
+        return run_pipeline(args.argv, (args.pipeline or 1) * experts)
+    loaded = load_model(args, BackendChoice("ort", args.onnx), command="bench", micro_batches=1)
     if loaded.follower:
         loaded.session.follow()
         return 0
-    gen = Generator(loaded.backend, loaded.config, executor=loaded.executor)
-    piped = measure(gen, prompts_of(args, loaded.config), args.new_tokens, args.repeat)
+    leader, cfg = loaded.executor, loaded.config
+    limits = loaded.limits()
+    rows = []
+    for m in args.micro_batches:
+        scheduler = MicroBatchScheduler(leader, cfg, limits, m) if m > 1 else None
+        gen = Generator(loaded.backend, cfg, limits, executor=leader, scheduler=scheduler)
+        rows.append({"micro_batches": m, **measure(gen, prompts_of(args, cfg), args.new_tokens, args.repeat)})
+    decode_steps = leader.decode_steps
     stats = loaded.close()
-    share = transfer_share(stats)
+    stages = len(stats) // experts
+    shares = rank_shares(stats, decode_steps)
     single = json.loads(os.environ.get(SINGLE_ENV) or "null")
     if args.json:
-        print(json.dumps({"single_process": single, "pipeline": {**piped, "stages": len(stats),
-                                                                   "transfer_share": round(share, 4)}}))
+        print(json.dumps({"single_process": single, "stages": stages, "expert_parallel": experts,
+                          "pipeline": {**rows[0], "stages": stages, **shares}, "runs": rows}))
     else:
-        print(render(single, piped, len(stats), share))
+        print(render(single, rows, stages, experts, shares))
     return 0

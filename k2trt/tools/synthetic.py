@@ -132,10 +132,11 @@ class RandomWeights:
         made = global_tensors(self.config, self._gen(0))
         return made if names is None else {n: made[n] for n in names}
 
-    def block_weights(self, layer: int) -> dict[str, torch.Tensor]:
+    def block_weights(self, layer: int, experts: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
         tensors = self.layer(layer)
         return W.assemble_block_weights(self.config, layer,
-                                       lambda name, out: tensors[name] if out is None else out.copy_(tensors[name]))
+                                       lambda name, out: tensors[name] if out is None else out.copy_(tensors[name]),
+                                       experts)
 
 
 def synthetic_tensors(cfg: K2Config, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:

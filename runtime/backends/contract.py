@@ -27,9 +27,10 @@ class WeightSource(Protocol):
         """The tensors outside the layers, by full name (model.embed_tokens.weight, model.norm.weight,
         lm_head.weight): only `names` when given, so a pipeline stage reads only the files it needs."""
 
-    def block_weights(self, layer: int) -> dict[str, torch.Tensor]:
+    def block_weights(self, layer: int, experts: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
         """One layer's block-graph weight inputs (checkpoint suffixes, routed experts stacked [E, ...] by
-        graphs/weights.assemble_block_weights), in graphs/weights.block_weight_specs order."""
+        graphs/weights.assemble_block_weights), in graphs/weights.block_weight_specs order; with `experts` =
+        (first, stop), only those routed experts (an expert-parallel rank's, config.expert_range)."""
 
 
 # Cache capacities are multiples of this many positions (runtime/generation/cache.bucket), so every slot range of a
@@ -86,6 +87,24 @@ class Backend(Protocol):
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, T, d] -> logits [B, T, V] float32."""
 
+    # A MoE block split at the dispatch, on a backend made for expert parallelism (expert_parallel > 1: its MoE
+    # layers are bound as these parts, its weights hold one rank's routed experts): graphs/blocks.py moe_front,
+    # local_experts, moe_combine; runtime/distributed/expert_parallel.py moves the rows between them.
+    expert_parallel: int  # E; 1: MoE layers run whole (block)
+
+    def moe_front(self, layer: int, hidden: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+                  mask: torch.Tensor, latent_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """As block's inputs -> (residual [B, T, d], moe_input [B, T, d], topk_ids int32 [B, T, k], topk_weights
+        float32 [B, T, k], shared_out [B, T, d], latent_new [B, T, latent])."""
+
+    def moe_experts(self, layer: int, rows: torch.Tensor, expert_ids: torch.Tensor, decode: bool) -> torch.Tensor:
+        """rows [R, d] dispatched to this rank, expert_ids int32 [R] (among its experts) -> expert_out [R, d], each
+        row its expert's output. decode: the rows are a decode step's (TensorRT picks its profile by it)."""
+
+    def moe_combine(self, layer: int, pair_out: torch.Tensor, topk_weights: torch.Tensor, shared_out: torch.Tensor,
+                    residual: torch.Tensor) -> torch.Tensor:
+        """pair_out [B·T·k, d] (every pair's expert output, back in pair order) -> hidden [B, T, d]."""
+
     def standalone_onnx(self, kind: str, layer: int | None) -> onnx.ModelProto | None:
         """The graph this backend runs for one block kind, with that layer's prepared weights stored in it, so
         that ONNX Runtime runs it without k2trt (polygraphy's own runners, `k2trt compare`); None where the
@@ -96,6 +115,12 @@ def prepare_order(layers: Iterable[int] | None, num_layers: int, embedding: bool
     """What Backend.prepare binds, in order: "embedding", the layer indices, "head"."""
     chosen = list(range(num_layers) if layers is None else layers)
     return (["embedding"] if embedding else []) + chosen + (["head"] if head else [])
+
+
+def bound_kinds(kind: str, expert_parallel: int) -> tuple[str, ...]:
+    """The graphs a layer of `kind` binds weights for: on an expert-parallel backend a MoE layer binds its front and
+    its experts (the combine has no weights), else the block itself."""
+    return ("moe_front", "moe_experts") if kind == "moe_block" and expert_parallel > 1 else (kind,)
 
 
 def prepare_each(bind: Callable[[int | str, str], object], cfg: K2Config, layers: Iterable[int] | None,
@@ -132,6 +157,19 @@ class BackendWrapper:
 
     def head(self, hidden):
         return self.inner.head(hidden)
+
+    @property
+    def expert_parallel(self) -> int:
+        return self.inner.expert_parallel
+
+    def moe_front(self, layer, hidden, rope_cos, rope_sin, mask, latent_cache):
+        return self.inner.moe_front(layer, hidden, rope_cos, rope_sin, mask, latent_cache)
+
+    def moe_experts(self, layer, rows, expert_ids, decode):
+        return self.inner.moe_experts(layer, rows, expert_ids, decode)
+
+    def moe_combine(self, layer, pair_out, topk_weights, shared_out, residual):
+        return self.inner.moe_combine(layer, pair_out, topk_weights, shared_out, residual)
 
     def standalone_onnx(self, kind, layer):
         return self.inner.standalone_onnx(kind, layer)

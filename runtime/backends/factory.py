@@ -22,6 +22,7 @@ class BackendChoice:
     providers: tuple[str, ...] = ("CPUExecutionProvider",)  # ONNX Runtime execution providers
     threads: int | None = None  # ONNX Runtime intra-op threads (None: its default)
     device: int = 0  # CUDA device index (trt)
+    expert_parallel: int = 1  # E > 1: one expert-parallel rank's backend (its MoE layers bound as their parts)
 
     def __post_init__(self):
         if self.name not in BACKENDS:
@@ -65,12 +66,15 @@ def open_backend(choice: BackendChoice, weights: WeightSource, *, activation_qua
     if choice.name == "ort":
         from k2trt.runtime.backends.ort import OrtBackend
 
-        return OrtBackend(choice.onnx, weights, providers=list(choice.providers), threads=choice.threads)
+        return OrtBackend(choice.onnx, weights, providers=list(choice.providers), threads=choice.threads,
+                          expert_parallel=choice.expert_parallel)
     if choice.name == "trt":
         from k2trt.runtime.trt.backend import TrtBackend
 
-        return TrtBackend(choice.engines, weights, export_dir=choice.onnx, device=choice.device)
+        return TrtBackend(choice.engines, weights, export_dir=choice.onnx, device=choice.device,
+                          expert_parallel=choice.expert_parallel)
     from k2trt.graphs.fp8 import WEIGHT_DEQUANT
     from k2trt.runtime.backends.reference import TorchBackend
 
-    return TorchBackend(weights, activation_quant=WEIGHT_DEQUANT if activation_quant is None else activation_quant)
+    return TorchBackend(weights, activation_quant=WEIGHT_DEQUANT if activation_quant is None else activation_quant,
+                        expert_parallel=choice.expert_parallel)

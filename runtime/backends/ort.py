@@ -16,11 +16,13 @@ from onnx import TensorProto
 
 from k2trt.dtypes import torch_dtype
 from k2trt.errors import K2Error, MissingDependency
-from k2trt.config import BLOCK_KINDS
-from k2trt.export_manifest import check_matches, graph_file, graph_path, read_manifest
+from k2trt.config import BLOCK_KINDS, MOE_PART_KINDS
+from k2trt.export_manifest import (check_expert_parallel_export, check_matches, graph_file, graph_path,
+                                  read_manifest)
 from k2trt.graphs.fp8 import WEIGHT_DEQUANT
 from k2trt.graphs.mask import MASK_NEG
-from k2trt.runtime.backends.contract import BackendLimits, Progress, WeightSource, prepare_each
+from k2trt.runtime.backends.contract import (BackendLimits, Progress, WeightSource, bound_kinds,
+                                            prepare_each)
 from k2trt.runtime.backends.graph_weights import graph_weights, source_names
 
 
@@ -84,12 +86,16 @@ class OrtBackend:
     limits = BackendLimits()
 
     def __init__(self, export_dir: str | Path, weights: WeightSource, providers: list[str] | None = None,
-                 cache_layers: bool = True, threads: int | None = None):
+                 cache_layers: bool = True, threads: int | None = None, expert_parallel: int = 1):
         ort = _ort()
         self.export_dir = Path(export_dir)
         self.manifest = read_manifest(self.export_dir)
         self.cfg = weights.config
         check_matches(self.manifest, self.cfg, str(export_dir))
+        self.expert_parallel = expert_parallel
+        kinds = BLOCK_KINDS + (MOE_PART_KINDS if expert_parallel > 1 else ())
+        if expert_parallel > 1:
+            check_expert_parallel_export(self.manifest, expert_parallel, str(export_dir))
         act = self.manifest["act_dtype"]
         if act != "float32" and (providers is None or providers == ["CPUExecutionProvider"]):
             raise K2Error(f"{export_dir}: graphs are {act}; ONNX Runtime on CPU needs float32 graphs "
@@ -102,7 +108,7 @@ class OrtBackend:
                                     f"(have {', '.join(ort.get_available_providers())})")
         opts = session_options(threads)
         self.sessions, self.entries = {}, {}
-        for kind in BLOCK_KINDS:
+        for kind in kinds:
             path = graph_file(self.export_dir, self.manifest, f"ort/{kind}")
             self.entries[kind] = self.manifest["graphs"][f"ort/{kind}"]
             try:
@@ -142,8 +148,17 @@ class OrtBackend:
 
     def prepare(self, layers: Iterable[int] | None = None, *, embedding: bool = True, head: bool = True,
                 progress: Progress | None = None) -> None:
-        prepare_each(lambda item, kind: self._layer(item, kind, item if isinstance(item, int) else None),
-                     self.cfg, layers, embedding, head, progress)
+        def bind(item, kind):
+            if not isinstance(item, int):
+                return self._layer(item, kind, None)
+            for part in bound_kinds(kind, self.expert_parallel):
+                self._part(part, item)
+
+        prepare_each(bind, self.cfg, layers, embedding, head, progress)
+
+    def _part(self, kind: str, layer: int):
+        """A layer's binding of one graph kind: the block itself (keyed by the layer, as always) or a MoE part."""
+        return self._layer(layer if kind in BLOCK_KINDS else (kind, layer), kind, layer)
 
     def standalone_onnx(self, kind: str, layer: int | None) -> onnx.ModelProto:
         model = onnx.load(str(graph_path(self.export_dir, self.entries[kind])))
@@ -208,3 +223,19 @@ class OrtBackend:
 
     def head(self, hidden):
         return self._run("head", {"hidden_states": hidden}, self._layer("head", "head", None))[0]
+
+    # ---- a MoE block's parts (expert parallelism) -----------------------------------------------------------
+    def moe_front(self, layer, hidden, rope_cos, rope_sin, mask, latent_cache):
+        mask, latent_cache = self._without_unseen_past(mask, latent_cache)
+        return tuple(self._run("moe_front", {"hidden_states": hidden, "rope_cos": rope_cos, "rope_sin": rope_sin,
+                                             "attention_mask": mask, "latent_cache": latent_cache},
+                               self._part("moe_front", layer)))
+
+    def moe_experts(self, layer, rows, expert_ids, decode: bool = False):
+        return self._run("moe_experts", {"expert_rows": rows, "expert_ids": expert_ids},
+                         self._part("moe_experts", layer))[0]
+
+    def moe_combine(self, layer, pair_out, topk_weights, shared_out, residual):
+        return self._run("moe_combine", {"pair_out": pair_out, "topk_weights": topk_weights,
+                                         "shared_out": shared_out, "residual": residual},
+                         self._layer("moe_combine", "moe_combine", None))[0]

@@ -16,9 +16,11 @@ class TorchBackend(ReferenceModel):
     device = torch.device("cpu")  # the reference computes on the CPU, in float32 by default
     limits = BackendLimits()
 
-    def __init__(self, weights: WeightSource, act_dtype: str = "float32", activation_quant: int = WEIGHT_DEQUANT):
+    def __init__(self, weights: WeightSource, act_dtype: str = "float32", activation_quant: int = WEIGHT_DEQUANT,
+                 expert_parallel: int = 1):
         super().__init__(weights, act_dtype, activation_quant)
         self.act_dtype = self.ops.act
+        self.expert_parallel = expert_parallel  # the weights hold one rank's experts: MoE layers run as parts
 
     def prepare(self, layers: Iterable[int] | None = None, *, embedding: bool = True, head: bool = True,
                 progress: Progress | None = None) -> None:

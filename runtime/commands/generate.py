@@ -229,8 +229,7 @@ def run(args) -> int:
                 shown.finish()
     new = sum(len(r.token_ids) for r in results)
     reasons = ", ".join(sorted({r.finish_reason for r in results}))
-    where = (f"{loaded.backend.name}, {loaded.session.world.size} stage{'s' * (loaded.session.world.size != 1)}"
-             if loaded.session else loaded.backend.name)
+    where = f"{loaded.backend.name}, {loaded.session.layout.name}" if loaded.session else loaded.backend.name
     print(f"[{where}] prompt tokens {sum(len(p) for p in prompts)}, new tokens {new} ({reasons}); "
           f"prefill {t['prefill_tokens_per_s']} tok/s, decode {t['decode_tokens_per_s']} tok/s", file=sys.stderr)
     return 0

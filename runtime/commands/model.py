@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from k2trt.args import at_least, int_in
+from k2trt.args import at_least, int_in, int_list
 from k2trt.errors import K2Error
 from k2trt.hub import model_dir
 from k2trt.runtime.backends.contract import Backend
@@ -28,13 +28,23 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="refuse prompts + new tokens longer than this (default: the model's maximum)")
 
 
-def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
-    """For the commands that run as pipeline stages (generate, serve, bench); chat is one process."""
+def add_pipeline_arguments(p: argparse.ArgumentParser, micro_batch_list: bool = False) -> None:
+    """For the commands that run as pipeline stages (generate, serve, bench); chat is one process. bench takes a
+    list of micro-batch counts (each measured in the same run)."""
     g = p.add_argument_group("pipeline parallelism")
     g.add_argument("--pipeline", type=int_in(1, MAX_LOCAL_RANKS), default=None, metavar="N",
                    help="run as N pipeline stages on this machine, one process each (across nodes: torchrun)")
     g.add_argument("--stages", default=None, metavar="COUNTS",
                    help="blocks per stage, e.g. 2,2 (default: split by bytes, see `k2trt plan`)")
+    g.add_argument("--expert-parallel", type=int_in(1, MAX_LOCAL_RANKS), default=None, metavar="E",
+                   help="E expert-parallel ranks per stage: each holds 1/E of every MoE block's routed experts and "
+                        "runs its own requests' attention (needs `k2trt export --expert-parallel E`); with "
+                        "--pipeline P, P x E processes")
+    g.add_argument("--micro-batches", type=int_list(1) if micro_batch_list else at_least(1),
+                   default=[1] if micro_batch_list else 1, metavar="M" + (",..." if micro_batch_list else ""),
+                   help="requests dealt to M micro-batches, up to one per stage in flight, so the stages work at "
+                        "once (default 1)" + ("; several counts are measured one after another" if micro_batch_list
+                                              else ""))
     g.add_argument("--dist-timeout", type=float, default=None, metavar="SECONDS",
                    help="how long a step may wait for another rank before giving up (default 120)")
 
@@ -45,6 +55,7 @@ class LoadedModel:
     tokenizer: object
     checkpoint: object
     session: object = None  # a pipeline rank's RankSession, or None in a single process
+    micro_batches: int = 1  # lanes of requests in flight through the pipeline (rank 0)
 
     @property
     def config(self):
@@ -56,16 +67,26 @@ class LoadedModel:
         return self.session.leader if self.session is not None else None
 
     def limits(self, max_context: int | None = None, max_batch: int | None = None):
-        """The scheduler's limits: the model's, the user's and the backend's, resolved once."""
+        """The scheduler's limits: the model's, the user's and the backend's, resolved once. E expert-parallel
+        ranks hold E times the sequences one backend takes (each its own)."""
         from k2trt.runtime.generation.limits import Limits
 
-        return Limits.resolve(self.config, self.backend.limits, max_context=max_context, max_batch=max_batch)
+        backend = self.backend.limits
+        columns = self.session.layout.expert_parallel if self.session is not None else 1
+        if backend.max_batch and columns > 1:
+            backend = replace(backend, max_batch=backend.max_batch * columns)
+        return Limits.resolve(self.config, backend, max_context=max_context, max_batch=max_batch)
 
     def scheduler(self, limits):
-        """A scheduler over this model: its steps run here (one process) or down rank 0's pipeline."""
+        """A scheduler over this model: its steps run here (one process) or down rank 0's pipeline — with several
+        micro-batches in flight, M schedulers behind one (runtime/distributed/micro_batches.py)."""
         from k2trt.runtime.generation.executor import StageExecutor
         from k2trt.runtime.generation.scheduler import Scheduler
 
+        if self.micro_batches > 1 and self.executor is not None:
+            from k2trt.runtime.distributed.micro_batches import MicroBatchScheduler
+
+            return MicroBatchScheduler(self.executor, self.config, limits, self.micro_batches)
         return Scheduler(self.executor or StageExecutor(self.backend, self.config), self.config, limits)
 
     @property
@@ -112,9 +133,12 @@ def progress_line(prefix: str, doing: str = "binding weights", stream=None):
     return show
 
 
-def load_model(args, choice: BackendChoice | None = None, command: str = "generate") -> LoadedModel:
+def load_model(args, choice: BackendChoice | None = None, command: str = "generate",
+               micro_batches: int | None = None) -> LoadedModel:
+    """micro_batches: the lanes rank 0's scheduler deals requests to (default --micro-batches)."""
     from k2trt.runtime.distributed.world import DEFAULT_TIMEOUT_S, launched
 
+    micro_batches = micro_batches or getattr(args, "micro_batches", 1)
     choice = choice or choice_from_args(args)
     ckpt, tok = open_model(args.model, validate=not launched())
     if launched():
@@ -122,8 +146,11 @@ def load_model(args, choice: BackendChoice | None = None, command: str = "genera
         from k2trt.runtime.distributed.session import load_rank
 
         counts = parse_counts(args.stages) if getattr(args, "stages", None) else None
-        backend, session = load_rank(ckpt, choice, counts, getattr(args, "dist_timeout", None) or DEFAULT_TIMEOUT_S)
-        return LoadedModel(backend, tok, ckpt, session)
+        backend, session = load_rank(ckpt, choice, counts, getattr(args, "dist_timeout", None) or DEFAULT_TIMEOUT_S,
+                                     getattr(args, "expert_parallel", None) or 1)
+        return LoadedModel(backend, tok, ckpt, session, micro_batches)
+    if micro_batches > 1:
+        raise K2Error("--micro-batches keeps several steps in flight through pipeline stages: give --pipeline too")
     backend = open_backend(choice, ckpt)
     backend.prepare(progress=progress_line(f"k2trt {command}"))
     return LoadedModel(backend, tok, ckpt)
@@ -134,16 +161,21 @@ def launch_if_asked(args) -> int | None:
     process is itself the work (no --pipeline, or already a rank)."""
     from k2trt.runtime.distributed.world import launched
 
-    n = getattr(args, "pipeline", None)
-    if n is None or launched():
+    stages, experts = getattr(args, "pipeline", None), getattr(args, "expert_parallel", None)
+    if (stages is None and experts is None) or launched():
         return None
+    from k2trt.config import K2Config, check_expert_parallel
     from k2trt.runtime.distributed.launch import run_pipeline
 
-    return run_pipeline(args.argv, n)
+    check_expert_parallel(K2Config.from_json(args.model), experts or 1)  # one line before any rank starts
+
+    return run_pipeline(args.argv, (stages or 1) * (experts or 1))
 
 
 def make_generator(loaded: LoadedModel, max_context: int | None):
     """A static batch through the scheduler (generate, chat)."""
     from k2trt.runtime.generation.generator import Generator
 
-    return Generator(loaded.backend, loaded.config, loaded.limits(max_context), executor=loaded.executor)
+    limits = loaded.limits(max_context)
+    return Generator(loaded.backend, loaded.config, limits, executor=loaded.executor,
+                     scheduler=loaded.scheduler(limits) if loaded.micro_batches > 1 else None)

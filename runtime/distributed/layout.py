@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from k2trt.config import K2Config
+from k2trt.config import K2Config, check_expert_parallel, divisors
 from k2trt.errors import K2Error
 from k2trt.runtime.distributed import placement
 
@@ -33,25 +33,26 @@ class Layout:
         p, e = self.pipeline, self.expert_parallel
         return f"PP {p}" if e == 1 else f"EP {e}" if p == 1 else f"PP {p} × EP {e}"
 
+    def coordinates(self, rank: int) -> tuple[int, int]:
+        """(stage, expert rank) of a global rank: rank = stage × E + expert rank."""
+        return divmod(rank, self.expert_parallel)
+
+    def rank_of(self, stage: int, expert_rank: int) -> int:
+        return stage * self.expert_parallel + expert_rank
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        """The expert-parallel group of one stage: E consecutive ranks."""
+        return [self.rank_of(stage, r) for r in range(self.expert_parallel)]
+
 
 def check_layout(cfg: K2Config, layout: Layout) -> None:
     """One line for a layout this model cannot take."""
     e, p = layout.expert_parallel, layout.pipeline
     if e < 1 or p < 1:
         raise K2Error(f"--pipeline and --expert-parallel must be >= 1, got {p} and {e}")
-    if cfg.n_routed_experts % e:
-        near = [d for d in divisors(cfg.n_routed_experts)]
-        below = max(d for d in near if d < e)
-        above = min((d for d in near if d > e), default=None)
-        choice = f"{below}" + (f" or {above}" if above else "")
-        raise K2Error(f"--expert-parallel {e} does not divide the {cfg.n_routed_experts} routed experts "
-                      f"(nearest that do: {choice})")
+    check_expert_parallel(cfg, e)
     if p > cfg.num_hidden_layers:
         raise K2Error(f"--pipeline {p} for {cfg.num_hidden_layers} blocks: every stage needs at least one block")
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def layouts_for(cfg: K2Config, devices: int) -> list[Layout]:

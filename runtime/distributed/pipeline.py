@@ -1,52 +1,62 @@
-"""Pipeline parallelism: every rank runs a StageExecutor over its own layers; rank 0 also runs the scheduler.
+"""P pipeline stages × E expert-parallel ranks per stage: every rank runs a StageExecutor over its stage's layers;
+rank 0 also runs the scheduler.
 
-One step, with S stages:
-  1. rank 0 broadcasts the step plan (plain integers, as JSON bytes) to every rank: each applies its slot
-     operations to its own layers' cache and derives the step's mask and rope tables itself;
-  2. rank 0 embeds and runs its layers, and the hidden state [B, T, d] goes down the chain, rank r to r + 1 —
-     point to point, always in the same order (NCCL ignores tags: messages match by order), never in a cycle;
-  3. the last rank applies the head and samples with its per-slot samplers, and broadcasts the sampled ids;
-     every rank gets them in the same collective, and rank 0's scheduler decides who stops. Its decisions reach
-     the other ranks in the next plan (the slot operations), and a shutdown plan ends every rank on the same
-     step.
-Micro-batches in flight would number the plans and keep several between steps 1 and 3; the messages already
-carry everything a stage needs, so the step fits that later.
+The ranks form E columns (expert rank r: ranks r, E + r, 2E + r, ...; layout.Layout numbers them) and P rows (the
+stages). A column holds a share of the sequences (runtime/distributed/data_parallel.py: with E = 1, all of them):
+its rank at each stage keeps their cache for the stage's layers, its last rank samples them. One step:
+
+  1. rank 0 splits the scheduler's plan into one plan per column and sends each to the column's first rank (its
+     own it keeps); every rank forwards the plan it gets to the next rank of its column, applies its slot operations
+     to its own cache and derives the step's mask and rope tables itself;
+  2. the first rank of a column embeds its sequences and runs its layers, and the hidden state [B, T, d] goes down
+     the column, point to point; at each MoE layer the E ranks of a stage exchange (token, expert) rows among
+     themselves (runtime/distributed/expert_parallel.py) — a rank with no sequence in the step takes part too;
+  3. the last rank of each column samples its sequences (per-slot samplers) and sends the ids to rank 0, whose
+     scheduler decides who stops; its decisions reach the ranks in a later plan (the slot operations), and a
+     shutdown ends every rank.
+
+Messages are point to point, and each goes between the same two ranks in the same order on both sides (NCCL ignores
+tags: messages match by order), never in a cycle; sends are non-blocking (a blocking send waits for its receive, and
+rank 0 sends the next plans while the last ranks send ids back), and every receive is posted as soon as its size is
+known (a gloo send finds its receive posted, or waits for the sender's next call). So rank 0 can keep several
+numbered plans in flight
+— micro-batches, each with its own slots and cache on every rank (runtime/distributed/micro_batches.py) — while the
+stages work on them one after another: up to P at once, each stage on a different one. Plans are JSON bytes, never
+pickle.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
+from collections import deque
+from dataclasses import asdict, dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from k2trt.runtime.generation.executor import StageExecutor
-from k2trt.runtime.generation.sampling import SamplingParams
-from k2trt.runtime.generation.step import Admit, Move, Release, StepPlan, Swap
+from k2trt.runtime.distributed.layout import Layout
 from k2trt.runtime.distributed.world import World
+from k2trt.runtime.generation.executor import StageClock, StageExecutor
+from k2trt.runtime.generation.sampling import SamplingParams
+from k2trt.runtime.generation.step import Admit, Move, Release, StepPlan, Swap, is_decode
 
 _OPS = {"admit": Admit, "release": Release, "move": Move, "swap": Swap}
 _NAMES = {v: k for k, v in _OPS.items()}
 NOT_SAMPLED = -1
 
 
-# ---- plans as bytes -----------------------------------------------------------------------------------------
+# ---- plans and step messages as bytes -----------------------------------------------------------------------
 
-def encode_plan(plan: StepPlan | None) -> bytes:
+def _plan_dict(plan: StepPlan) -> dict:
     """JSON, not pickle: a rank never deserializes code from another process."""
-    if plan is None:
-        return b'{"shutdown": true}'
     d = asdict(plan)
     d["ops"] = [{"op": _NAMES[type(op)], **asdict(op)} for op in plan.ops]
-    return json.dumps(d, separators=(",", ":")).encode()
+    return d
 
 
-def decode_plan(blob: bytes) -> StepPlan | None:
-    d = json.loads(blob)
-    if d.get("shutdown"):
-        return None
+def _plan_of(d: dict) -> StepPlan:
     ops = []
     for o in d.pop("ops"):
         cls = _OPS[o.pop("op")]
@@ -56,16 +66,105 @@ def decode_plan(blob: bytes) -> StepPlan | None:
     return StepPlan(**d, ops=ops)
 
 
+@dataclass
+class StepMessage:
+    """One rank's part of a step: its column's plan, numbered by micro-batch (`lane`), whether any rank of the step
+    has work (`active`: every rank of an expert-parallel stage then joins the exchanges) and whether it is a decode
+    step (TensorRT's profile for the experts)."""
+
+    lane: int
+    plan: StepPlan
+    active: bool
+    decode: bool
+
+
+SHUTDOWN = b'{"shutdown": true}'
+
+
+def encode_message(m: StepMessage) -> bytes:
+    return json.dumps({"lane": m.lane, "active": m.active, "decode": m.decode, "plan": _plan_dict(m.plan)},
+                      separators=(",", ":")).encode()
+
+
+def decode_message(blob: bytes) -> StepMessage | None:
+    d = json.loads(blob)
+    if d.get("shutdown"):
+        return None
+    return StepMessage(d["lane"], _plan_of(d["plan"]), d["active"], d["decode"])
+
+
+# ---- where this rank's messages come from and go ----------------------------------------------------------
+
+@dataclass(frozen=True)
+class Topology:
+    layout: Layout
+    rank: int
+
+    @property
+    def stage(self) -> int:
+        return self.layout.coordinates(self.rank)[0]
+
+    @property
+    def column(self) -> int:
+        return self.layout.coordinates(self.rank)[1]
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.layout.pipeline - 1
+
+    @property
+    def plan_source(self) -> int:
+        """Rank 0 sends the first rank of every column its plan; the others get it from the rank before them."""
+        return 0 if self.first else self.previous
+
+    @property
+    def previous(self) -> int:
+        return self.layout.rank_of(self.stage - 1, self.column)
+
+    @property
+    def next(self) -> int | None:
+        return None if self.last else self.layout.rank_of(self.stage + 1, self.column)
+
+    def column_head(self, column: int) -> int:
+        return self.layout.rank_of(0, column)
+
+    def column_tail(self, column: int) -> int:
+        return self.layout.rank_of(self.layout.pipeline - 1, column)
+
+
+FRAME = 16 << 10  # bytes of a message's first part: a decode plan of hundreds of sequences fits
+
+
+@dataclass
+class Posted:
+    """A receive posted before its message is sent: a gloo send to a rank that has posted nothing moves only when
+    the sender next calls into gloo (measured: a plan sent while the next stage was busy waited for rank 0's next
+    step), so every rank posts each receive as early as it knows its size."""
+
+    work: object
+    buffer: torch.Tensor
+
+
 class Transport:
-    """The step's messages over a World's groups, with the time spent in them."""
+    """The step's messages over a World's groups, with the time spent in them. Sends do not wait for their
+    receives (rank 0 sends the next plans while the last ranks send ids back: blocking sends would deadlock), their
+    buffers held until done; receives are posted ahead (`expect_*`) and waited on, bounded by the groups' timeout.
+
+    A message (a step's JSON) is one FRAME-byte frame — its length, then its bytes — and, past FRAME, the rest in a
+    second message the receiver posts once it has read the length."""
 
     def __init__(self, world: World, device: torch.device):
         self.world, self.device = world, device
         self.seconds = 0.0
+        self.pending: deque = deque()  # (work, buffer) of sends not known to be done
 
     def _timed(self, fn, *args, **kwargs):
-        """A send, receive or broadcast; one that fails (gloo and NCCL raise RuntimeError) means another rank went
-        away, and becomes the one line that says which and why."""
+        """A send, receive or wait; one that fails (gloo and NCCL raise RuntimeError) means another rank went away,
+        and becomes the one line that says which and why."""
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
@@ -75,97 +174,234 @@ class Transport:
             self.seconds += time.perf_counter() - t0
         raise self.world.lost_contact(lost) from None
 
-    def broadcast_plan(self, plan: StepPlan | None = None) -> StepPlan | None:
-        g = self.world.cpu_group
-        if self.world.first:
-            blob = encode_plan(plan)
-            n = torch.tensor([len(blob)], dtype=torch.int64)
-            self._timed(dist.broadcast, n, 0, group=g)
-            self._timed(dist.broadcast, torch.frombuffer(bytearray(blob), dtype=torch.uint8), 0, group=g)
-            return plan
-        n = torch.zeros(1, dtype=torch.int64)
-        self._timed(dist.broadcast, n, 0, group=g)
-        buf = torch.empty(int(n), dtype=torch.uint8)
-        self._timed(dist.broadcast, buf, 0, group=g)
-        return decode_plan(buf.numpy().tobytes())
+    def _send(self, t: torch.Tensor, dst: int, group) -> None:
+        work = self._timed(dist.isend, t, dst, group=group)
+        self.pending.append((work, t))
+        while self.pending and self.pending[0][0].is_completed():
+            self._timed(self.pending.popleft()[0].wait)  # raises here if the send failed
 
-    def send_hidden(self, hidden: torch.Tensor) -> None:
-        self._timed(dist.send, hidden.contiguous(), self.world.rank + 1, group=self.world.device_group)
+    def _post(self, buffer: torch.Tensor, src: int, group) -> Posted:
+        return Posted(self._timed(dist.irecv, buffer, src, group=group), buffer)
 
-    def recv_hidden(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        h = torch.empty(shape, dtype=dtype, device=self.device)
-        self._timed(dist.recv, h, self.world.rank - 1, group=self.world.device_group)
-        return h
+    def wait(self, posted: Posted) -> torch.Tensor:
+        self._timed(posted.work.wait, timedelta(seconds=self.world.timeout_s))
+        return posted.buffer
 
-    def broadcast_ids(self, ids: list[int | None] | None, batch: int) -> list[int | None]:
-        t = torch.tensor([NOT_SAMPLED if i is None else i for i in ids], dtype=torch.int64) if ids is not None \
-            else torch.empty(batch, dtype=torch.int64)
-        self._timed(dist.broadcast, t, self.world.size - 1, group=self.world.cpu_group)
-        return [None if i == NOT_SAMPLED else int(i) for i in t.tolist()]
+    def flush(self) -> None:
+        """Wait until every send is done (before the process group goes)."""
+        timeout = timedelta(seconds=self.world.timeout_s)
+        while self.pending:
+            self._timed(self.pending.popleft()[0].wait, timeout)
+
+    # ---- messages ------------------------------------------------------------------------------------------
+    def send_message(self, dst: int, blob: bytes) -> None:
+        frame = torch.zeros(FRAME, dtype=torch.uint8)
+        head = len(blob).to_bytes(8, "little") + blob[:FRAME - 8]
+        frame[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        self._send(frame, dst, self.world.cpu_group)
+        if len(blob) > FRAME - 8:
+            self._send(torch.frombuffer(bytearray(blob[FRAME - 8:]), dtype=torch.uint8), dst, self.world.cpu_group)
+
+    def expect_message(self, src: int) -> Posted:
+        return self._post(torch.empty(FRAME, dtype=torch.uint8), src, self.world.cpu_group)
+
+    def message(self, posted: Posted, src: int) -> bytes:
+        frame = self.wait(posted).numpy().tobytes()
+        n = int.from_bytes(frame[:8], "little")
+        if n <= FRAME - 8:
+            return frame[8:8 + n]
+        rest = torch.empty(n - (FRAME - 8), dtype=torch.uint8)
+        self._timed(dist.recv, rest, src, group=self.world.cpu_group)
+        return frame[8:] + rest.numpy().tobytes()
+
+    # ---- hidden states and sampled ids ---------------------------------------------------------------------
+    def send_hidden(self, dst: int, hidden: torch.Tensor) -> None:
+        """A copy goes: the send is not done when this returns, and a backend reuses its output buffers (TensorRT's
+        arena) for the next step."""
+        self._send(hidden.clone(memory_format=torch.contiguous_format), dst, self.world.device_group)
+
+    def expect_hidden(self, src: int, shape: tuple[int, ...], dtype: torch.dtype) -> Posted:
+        return self._post(torch.empty(shape, dtype=dtype, device=self.device), src, self.world.device_group)
+
+    def send_ids(self, dst: int, ids: list[int | None]) -> None:
+        """A column's sampled ids (at least one value travels: a column with no sequence in the step sends a
+        placeholder)."""
+        values = [NOT_SAMPLED if i is None else i for i in ids] or [NOT_SAMPLED]
+        self._send(torch.tensor(values, dtype=torch.int64), dst, self.world.cpu_group)
+
+    def expect_ids(self, src: int, batch: int) -> tuple[Posted, int]:
+        return self._post(torch.empty(max(1, batch), dtype=torch.int64), src, self.world.cpu_group), batch
+
+    def ids(self, expected: tuple[Posted, int]) -> list[int | None]:
+        posted, batch = expected
+        return [None if i == NOT_SAMPLED else int(i) for i in self.wait(posted).tolist()[:batch]]
 
 
-class PipelineStage:
-    """This rank's part of every step: its StageExecutor between the messages."""
+# ---- one rank's part of the steps ---------------------------------------------------------------------------
 
-    def __init__(self, world: World, stage: StageExecutor):
-        self.world, self.stage = world, stage
-        self.transport = Transport(world, stage.backend.device)
-        self.hidden_size = stage.cfg.hidden_size
-        self.step_s = 0.0  # this rank's part of every step, from the plan's broadcast to the ids', transfers included
+class StageRunner:
+    """This rank's stage executors — one per micro-batch (`lane`), each with its own slots, cache and samplers, all
+    on the one backend and clock — and its part of each step between the messages."""
 
-    def timed_step(self, plan: StepPlan | None = None) -> tuple[StepPlan | None, list[int | None]]:
-        """Broadcast (rank 0) or receive the plan, then this rank's part of the step."""
+    def __init__(self, world: World, topology: Topology, make_stage):
+        self.world, self.topology, self.make_stage = world, topology, make_stage
+        self.lanes: dict[int, StageExecutor] = {}
+        first = self.stage(0)
+        self.backend, self.cfg, self.clock = first.backend, first.cfg, first.clock
+        self.transport = Transport(world, self.backend.device)
+        self.step_s = 0.0  # inside this rank's part of the steps, its transfers included
+
+    def stage(self, lane: int) -> StageExecutor:
+        if lane not in self.lanes:
+            stage = self.make_stage()
+            if self.lanes:
+                stage.clock = self.clock  # one clock for the rank, whichever micro-batch it works on
+            self.lanes[lane] = stage
+        return self.lanes[lane]
+
+    def session_seconds(self) -> float | None:
+        return self.backend.session_seconds()
+
+    def step(self, m: StepMessage, blob: bytes, hidden: Posted | None = None) -> list[int | None] | None:
+        """This rank's part of one step (the message forwarded down its column first; `hidden`: the posted receive
+        of its input, on a rank past the first stage); -> the sampled ids of its column's sequences on a last-stage
+        rank of an active step, else None."""
         t0 = time.perf_counter()
         try:
-            plan = self.transport.broadcast_plan(plan)
-            return plan, ([] if plan is None else self.step(plan))
+            return self._step(m, blob, hidden)
         finally:
             self.step_s += time.perf_counter() - t0
 
-    def step(self, plan: StepPlan) -> list[int | None]:
-        st_exec, tr = self.stage, self.transport
-        st_exec.apply(plan)
-        if not plan.tokens:
-            return []
-        st = st_exec.tensors(plan)
-        if self.world.first:
-            hidden = st_exec.embed(st)
-        else:
-            hidden = tr.recv_hidden((plan.batch, plan.width, self.hidden_size), st_exec.backend.act_dtype)
-        hidden = st_exec.run_layers(plan, st, hidden)
-        if self.world.last:
-            return tr.broadcast_ids(st_exec.sample(plan, st, hidden), plan.batch)
-        tr.send_hidden(hidden)
-        return tr.broadcast_ids(None, plan.batch)
+    def expect_hidden(self, m: StepMessage) -> Posted | None:
+        """The receive of the step's hidden state, where one comes (posted as soon as the plan is read)."""
+        if self.topology.first or not m.active or not m.plan.tokens:
+            return None
+        plan = m.plan
+        return self.transport.expect_hidden(self.topology.previous, (plan.batch, plan.width, self.cfg.hidden_size),
+                                            self.backend.act_dtype)
+
+    def _step(self, m: StepMessage, blob: bytes, posted: Posted | None) -> list[int | None] | None:
+        topo, tr, plan = self.topology, self.transport, m.plan
+        if topo.next is not None:
+            tr.send_message(topo.next, blob)
+        stage = self.stage(m.lane)
+        _room_for(stage, plan)
+        stage.apply(plan)
+        if not m.active:
+            return None
+        if not plan.tokens:  # none of this column's sequences is in the step: serve the others' experts
+            if self.topology.layout.expert_parallel > 1:
+                stage.run_idle(m.decode)
+            return [] if topo.last else None
+        st = stage.tensors(plan)
+        hidden = stage.embed(st) if topo.first else tr.wait(posted)
+        hidden = stage.run_layers(plan, st, hidden)
+        if topo.last:
+            return stage.sample(plan, st, hidden)
+        tr.send_hidden(topo.next, hidden)
+        return None
+
+
+def _room_for(stage: StageExecutor, plan: StepPlan) -> None:
+    """Slots enough for the plan's slot operations before they move anything (a column's sequences move among its
+    slots; the cache is resized to the plan's rows after)."""
+    top = max((max(getattr(op, f) for f in ("slot", "src", "dst", "a", "b") if hasattr(op, f)) for op in plan.ops),
+              default=-1)
+    if top >= stage.cache.slots:
+        stage.cache.resize(top + 1, max(stage.cache.capacity, plan.capacity))
 
 
 class PipelineExecutor:
-    """Rank 0's executor: what the scheduler calls `run(plan)` on, as it would a StageExecutor."""
+    """Rank 0's executor: `run(plan)` for the scheduler, as a StageExecutor's; `issue` and `complete` keep several
+    numbered plans in flight (runtime/distributed/micro_batches.py)."""
 
-    def __init__(self, world: World, stage: StageExecutor):
+    def __init__(self, world: World, runner: StageRunner, max_batch: int):
         if not world.first:
             raise ValueError("the pipeline executor runs on rank 0")
-        self.part = PipelineStage(world, stage)
-        self.clock = stage.clock
+        from k2trt.runtime.distributed.data_parallel import ColumnPlans
+
+        self.world, self.runner, self.topology = world, runner, runner.topology
+        self.columns = self.topology.layout.expert_parallel
+        self.column_plans = lambda: ColumnPlans(self.columns, max_batch)
+        self.split_by_lane: dict = {}
+        self.in_flight: deque = deque()
+        self.clock: StageClock = runner.clock
+        self.decode_steps = 0  # decode steps issued (bench: bytes moved per decode step)
+
+    @property
+    def depth(self) -> int:
+        """How many steps may be in flight: one per stage."""
+        return self.topology.layout.pipeline
+
+    def issue(self, lane: int, plan: StepPlan) -> None:
+        """Send every column its part of the plan and do rank 0's own."""
+        if self.columns == 1:
+            plans = [plan]
+        else:
+            plans = self.split_by_lane.setdefault(lane, self.column_plans()).split(plan)
+        active, decode = bool(plan.tokens), is_decode(plan)
+        self.decode_steps += decode
+        blobs = [encode_message(StepMessage(lane, p, active, decode)) for p in plans]
+        tr, topo = self.runner.transport, self.topology
+        # the ids' receives first: a column's last rank may send them before this rank asks
+        ids = [tr.expect_ids(topo.column_tail(c), plans[c].batch) if active and topo.column_tail(c) != 0 else None
+               for c in range(self.columns)]
+        for column in range(1, self.columns):
+            tr.send_message(topo.column_head(column), blobs[column])
+        own = self.runner.step(StepMessage(lane, plans[0], active, decode), blobs[0])
+        self.in_flight.append((lane, plan, ids, own))
+
+    def complete(self) -> tuple[int, list[int | None]]:
+        """The oldest step in flight: (its lane, the sampled id of each of its sequences)."""
+        t0 = time.perf_counter()
+        try:
+            lane, plan, expected, own = self.in_flight.popleft()
+            if not plan.tokens:
+                return lane, []
+            ids = [own if e is None else self.runner.transport.ids(e) for e in expected]
+            return lane, ids[0] if self.columns == 1 else self.split_by_lane[lane].merge(plan, ids)
+        finally:
+            self.runner.step_s += time.perf_counter() - t0
 
     def run(self, plan: StepPlan) -> list[int | None]:
-        return self.part.timed_step(plan)[1]
+        self.issue(0, plan)
+        return self.complete()[1]
 
     def session_seconds(self) -> float | None:
-        return self.part.stage.session_seconds()
+        return self.runner.session_seconds()
 
     @property
     def transfer_seconds(self) -> float:
-        return self.part.transport.seconds
+        return self.runner.transport.seconds
 
     def shutdown(self) -> None:
-        self.part.transport.broadcast_plan(None)
+        """Every column's ranks leave their loops, in order down the column."""
+        tr, topo = self.runner.transport, self.topology
+        while self.in_flight:
+            self.complete()
+        for column in range(self.columns):
+            dst = topo.next if column == 0 else topo.column_head(column)
+            if dst is not None:
+                tr.send_message(dst, SHUTDOWN)
+        tr.flush()
 
 
-def follow(world: World, stage: StageExecutor) -> PipelineStage:
-    """A rank other than 0: run every step rank 0 plans, until it says stop. Returns the stage (its timings)."""
-    part = PipelineStage(world, stage)
+def follow(runner: StageRunner) -> StageRunner:
+    """A rank other than 0: run every step rank 0 plans, until it says stop. Returns the runner (its timings)."""
+    topo, tr = runner.topology, runner.transport
+    posted = tr.expect_message(topo.plan_source)
     while True:
-        plan, _ = part.timed_step()
-        if plan is None:
-            return part
+        t0 = time.perf_counter()
+        blob = tr.message(posted, topo.plan_source)
+        runner.step_s += time.perf_counter() - t0
+        m = decode_message(blob)
+        if m is None:
+            if topo.next is not None:
+                tr.send_message(topo.next, SHUTDOWN)
+            tr.flush()
+            return runner
+        hidden = runner.expect_hidden(m)  # in the order they come: this step's hidden state, then the next plan
+        posted = tr.expect_message(topo.plan_source)
+        ids = runner.step(m, blob, hidden)
+        if ids is not None:
+            tr.send_ids(0, ids)

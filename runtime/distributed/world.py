@@ -176,3 +176,10 @@ def join(timeout_s: float = DEFAULT_TIMEOUT_S, use_cuda: bool = False) -> World:
                             timeout=timeout)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if use_cuda else dist.group.WORLD
     return World(rank, size, local_rank, store, cpu_group, dist.group.WORLD, timeout_s)
+
+
+def new_groups(world: World, rank_lists: list[list[int]]) -> list:
+    """A process group per list of ranks (every rank creates every group, in the same order, as
+    torch.distributed requires), on the world's device backend: NCCL between GPUs, gloo on CPUs."""
+    timeout = timedelta(seconds=world.timeout_s)
+    return [dist.new_group(ranks, timeout=timeout) for ranks in rank_lists]

@@ -82,13 +82,18 @@ class StageExecutor:
         return h
 
     def run_layers(self, plan: StepPlan, st: StepTensors, hidden: torch.Tensor) -> torch.Tensor:
-        backend, clock = self.backend, time.perf_counter
         for layer in self.layers:
-            cache = self.cache.view(layer, plan.first, plan.batch)
-            t0 = clock()
-            hidden, new = backend.block(layer, hidden, st.rope_cos, st.rope_sin, st.mask, cache)
-            self.clock.backend_s += clock() - t0
-            self.cache.write(layer, plan.first, new, st.cache_rows, st.valid)  # the only write of this step
+            hidden = self.run_block(layer, plan, st, hidden)
+        return hidden
+
+    def run_block(self, layer: int, plan: StepPlan, st: StepTensors, hidden: torch.Tensor) -> torch.Tensor:
+        """One layer over the step's slot range; an expert-parallel stage runs its MoE layers split instead
+        (runtime/distributed/expert_parallel.py)."""
+        cache = self.cache.view(layer, plan.first, plan.batch)
+        t0 = time.perf_counter()
+        hidden, new = self.backend.block(layer, hidden, st.rope_cos, st.rope_sin, st.mask, cache)
+        self.clock.backend_s += time.perf_counter() - t0
+        self.cache.write(layer, plan.first, new, st.cache_rows, st.valid)  # the only write of this step
         return hidden
 
     def sample(self, plan: StepPlan, st: StepTensors, hidden: torch.Tensor) -> list[int | None]:

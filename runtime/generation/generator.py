@@ -32,12 +32,13 @@ class Result:
 
 
 class Generator:
-    def __init__(self, backend: Backend, cfg: K2Config, limits: Limits | None = None, executor=None):
-        """limits: Limits.resolve's (the model's, the backend's and the defaults) unless given."""
+    def __init__(self, backend: Backend, cfg: K2Config, limits: Limits | None = None, executor=None, scheduler=None):
+        """limits: Limits.resolve's (the model's, the backend's and the defaults) unless given; scheduler: one over
+        `executor` unless given (micro-batches in flight bring their own: runtime/distributed/micro_batches.py)."""
         self.backend, self.cfg = backend, cfg
         self.limits = limits or Limits.resolve(cfg, backend.limits)
         self.executor = executor or StageExecutor(backend, cfg)
-        self.scheduler = Scheduler(self.executor, cfg, self.limits)
+        self.scheduler = scheduler or Scheduler(self.executor, cfg, self.limits)
 
     def requests(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams,
                  stops: StopRules = NO_STOPS, on_text: Callable[[int, str], None] | None = None,

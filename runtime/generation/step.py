@@ -69,6 +69,13 @@ class StepPlan:
         return max((len(t) for t in self.tokens), default=0)
 
 
+def is_decode(plan: StepPlan) -> bool:
+    """A decode step: every sequence feeds the one token it sampled last (past its prompt: it has cached
+    positions) and samples the next. (Only the last chunk of a chunked prompt, when one token, looks the same.)"""
+    return bool(plan.tokens) and all(len(t) == 1 and s > 0 for t, s in zip(plan.tokens, plan.starts)) \
+        and all(plan.sample)
+
+
 class RopeTable:
     """cos/sin of every position up to the largest asked for, computed once and gathered per step."""
 

@@ -23,10 +23,11 @@ from typing import Iterable
 import torch
 
 from k2trt.errors import K2Error
-from k2trt.config import BLOCK_KINDS
-from k2trt.export_manifest import read_manifest
+from k2trt.config import BLOCK_KINDS, MOE_PART_KINDS
+from k2trt.export_manifest import check_expert_parallel_export, read_manifest
 from k2trt.dtypes import torch_dtype
-from k2trt.runtime.backends.contract import BackendLimits, Progress, WeightSource, prepare_each
+from k2trt.runtime.backends.contract import (BackendLimits, Progress, WeightSource, bound_kinds,
+                                            prepare_each)
 from k2trt.runtime.backends.graph_weights import graph_weights, source_names
 from k2trt.runtime.trt import engine_manifest as EM
 from k2trt.runtime.trt import environment
@@ -158,7 +159,7 @@ class TrtBackend:
     name = "trt"
 
     def __init__(self, engine_dir: str | Path, weights: WeightSource, export_dir: str | Path | None = None,
-                 cuda_graphs: bool = False, device: int = 0, verbose: bool = False):
+                 cuda_graphs: bool = False, device: int = 0, verbose: bool = False, expert_parallel: int = 1):
         trt = environment.import_tensorrt()
         environment.require_cuda()
         from k2trt.runtime.trt.plugins import register_plugins
@@ -170,7 +171,11 @@ class TrtBackend:
         if self.manifest["config_fingerprint"] != self.cfg.fingerprint():
             raise K2Error(f"{engine_dir}: engines were built for config {self.manifest['config_fingerprint']}, "
                           f"the checkpoint is {self.cfg.fingerprint()}")
-        missing = [k for k in BLOCK_KINDS if k not in self.manifest["engines"]]
+        self.expert_parallel = expert_parallel
+        if expert_parallel > 1:  # the MoE layers run as their parts, built from an --expert-parallel E export
+            check_expert_parallel_export(self.manifest, expert_parallel, str(engine_dir))
+        needed = BLOCK_KINDS + (MOE_PART_KINDS if expert_parallel > 1 else ())
+        missing = [k for k in needed if k not in self.manifest["engines"]]
         if missing:
             raise K2Error(f"{engine_dir}: no engine for {', '.join(missing)} (built with --kinds?); "
                           "build all of them to generate")
@@ -197,9 +202,12 @@ class TrtBackend:
 
     # ---- weights ------------------------------------------------------------------------------------
     def layer_weights(self, key, kind: str) -> dict[str, torch.Tensor]:
+        """One engine's weights for a layer (key: the layer; (part, layer) for a MoE part), or for the embedding,
+        the head or the weightless combine (key: the kind)."""
         if key not in self._bound:
-            if isinstance(key, int):
-                source = self.weights.block_weights(key)
+            layer = key if isinstance(key, int) else key[1] if isinstance(key, tuple) else None
+            if layer is not None:
+                source = self.weights.block_weights(layer)
             else:  # the embedding or the head: only the tensors its engine reads
                 source = self.weights.globals(source_names(self.engines[kind].entry))
             self._bound[key] = upload_weights(self.engines[kind].entry, source, self.act_dtype, self.device)
@@ -207,7 +215,11 @@ class TrtBackend:
 
     def prepare(self, layers: Iterable[int] | None = None, *, embedding: bool = True, head: bool = True,
                 progress: Progress | None = None) -> None:
-        prepare_each(self.layer_weights, self.cfg, layers, embedding, head, progress)
+        def bind(item, kind):
+            for part in bound_kinds(kind, self.expert_parallel) if isinstance(item, int) else (kind,):
+                self.layer_weights(item if part == kind else (part, item), part)
+
+        prepare_each(bind, self.cfg, layers, embedding, head, progress)
 
     def session_seconds(self) -> None:
         return None  # enqueues are asynchronous: the time inside TensorRT is not separable on the host
@@ -240,6 +252,18 @@ class TrtBackend:
     def _on_device(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         return aligned(x.to(self.device, dtype or x.dtype).contiguous())
 
+    def _attention_inputs(self, hidden, rope_cos, rope_sin, mask, latent_cache) -> dict[str, torch.Tensor]:
+        """A block's (or MoE front's) activation inputs on the device; the cache is read in place, never copied."""
+        if latent_cache.device != self.device or latent_cache.dtype != self.act_dtype \
+                or not latent_cache.is_contiguous():
+            raise K2Error(f"latent_cache must be a contiguous {self.act_dtype} tensor on {self.device} "
+                          "(it is read in place)")
+        return {"hidden_states": self._on_device(hidden, self.act_dtype),
+                "rope_cos": self._on_device(rope_cos, self.act_dtype),
+                "rope_sin": self._on_device(rope_sin, self.act_dtype),
+                "attention_mask": self._on_device(mask, torch.float32),
+                "latent_cache": latent_cache}
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         b, t = input_ids.shape
         check_call_shape(self.spec, b, t, t)
@@ -254,16 +278,8 @@ class TrtBackend:
         b, t = hidden.shape[:2]
         p = latent_cache.shape[1]
         check_call_shape(self.spec, b, t, p)
-        if latent_cache.device != self.device or latent_cache.dtype != self.act_dtype \
-                or not latent_cache.is_contiguous():
-            raise K2Error(f"latent_cache must be a contiguous {self.act_dtype} tensor on {self.device} "
-                          "(it is read in place)")
         w = self.layer_weights(layer, kind)
-        inputs = {"hidden_states": self._on_device(hidden, self.act_dtype),
-                  "rope_cos": self._on_device(rope_cos, self.act_dtype),
-                  "rope_sin": self._on_device(rope_sin, self.act_dtype),
-                  "attention_mask": self._on_device(mask, torch.float32),
-                  "latent_cache": latent_cache}
+        inputs = self._attention_inputs(hidden, rope_cos, rope_sin, mask, latent_cache)
         if self.graphs is not None and t == 1:
             replayed = self.graphs.run(layer, kind, inputs, w)
             if replayed is not None:
@@ -279,6 +295,42 @@ class TrtBackend:
         out = self._outputs("head", {"B": b, "T": t})
         self._run("head", t, {"hidden_states": self._on_device(hidden, self.act_dtype)}, w, out)
         return out["logits"]
+
+    # ---- a MoE block's parts (expert parallelism) -----------------------------------------------------------
+    def moe_front(self, layer, hidden, rope_cos, rope_sin, mask, latent_cache):
+        b, t = hidden.shape[:2]
+        p = latent_cache.shape[1]
+        check_call_shape(self.spec, b, t, p)
+        inputs = self._attention_inputs(hidden, rope_cos, rope_sin, mask, latent_cache)
+        out = self._outputs("moe_front", {"B": b, "T": t, "P": p})
+        self._run("moe_front", t, inputs, self.layer_weights(("moe_front", layer), "moe_front"), out)
+        return tuple(out[o["name"]] for o in self.engines["moe_front"].entry["outputs"])
+
+    def moe_experts(self, layer, rows, expert_ids, decode: bool = False):
+        """Calls of at most the profile's rows (a prefill dispatch may bring more: rows are independent)."""
+        entry = self.engines["moe_experts"].entry
+        profile = "decode" if decode else "prefill"
+        limit = self.spec.row_range(profile, entry["dispatch"]["top_k"], entry["dispatch"]["ranks"])[2]
+        t = 1 if decode else 2  # the profile a call of T new positions selects (profiles.profile_index)
+        w = self.layer_weights(("moe_experts", layer), "moe_experts")
+        parts = []
+        for start in range(0, rows.shape[0], limit):
+            chunk = rows[start:start + limit]
+            out = self._outputs("moe_experts", {"R": chunk.shape[0]})
+            self._run("moe_experts", t, {"expert_rows": self._on_device(chunk, self.act_dtype),
+                                         "expert_ids": self._on_device(expert_ids[start:start + limit],
+                                                                       torch.int32)}, w, out)
+            parts.append(out["expert_out"] if rows.shape[0] <= limit else out["expert_out"].clone())
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def moe_combine(self, layer, pair_out, topk_weights, shared_out, residual):
+        b, t = residual.shape[:2]
+        inputs = {"pair_out": self._on_device(pair_out, self.act_dtype),
+                  "topk_weights": self._on_device(topk_weights, torch.float32),
+                  "shared_out": shared_out, "residual": residual}
+        out = self._outputs("moe_combine", {"B": b, "T": t})
+        self._run("moe_combine", t, inputs, self.layer_weights("moe_combine", "moe_combine"), out)
+        return out["hidden_states_out"]
 
 
 class DecodeGraphs:

@@ -25,7 +25,7 @@ from pathlib import Path
 from k2trt.atomic import atomic_write_bytes
 from k2trt.dirlock import writing
 from k2trt.errors import K2Error
-from k2trt.config import BLOCK_KINDS
+from k2trt.config import BLOCK_KINDS, MOE_PART_KINDS
 from k2trt.export_manifest import graph_file, read_manifest
 from k2trt.runtime.trt import engine_manifest as EM
 from k2trt.runtime.trt import environment
@@ -44,7 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timing-cache", type=Path,
                    help="TensorRT timing cache to read and update (speeds up rebuilds); one file per activation "
                         "dtype and FP8 mode: FILE.bfloat16-w8a8 and so on (FILE's suffix kept)")
-    p.add_argument("--kinds", nargs="+", choices=BLOCK_KINDS, default=list(BLOCK_KINDS), help="build only these engines")
+    p.add_argument("--kinds", nargs="+", choices=BLOCK_KINDS + MOE_PART_KINDS, default=None,
+                   help="build only these engines (default: every kind, and the MoE block's parts where the export "
+                        "has them: --expert-parallel)")
     p.add_argument("--plugins", choices=PLUGIN_MODES, default="aot",
                    help="aot: plugin kernels compiled into the engine, which then runs without Python (default); "
                         "jit: Python calls the kernels at every enqueue (debugging)")
@@ -57,12 +59,15 @@ def run(args) -> int:
     return 0
 
 
-def build_engines(onnx_dir: Path, out: Path, spec: ProfileSpec, kinds=BLOCK_KINDS, plugins: str = "aot",
+def build_engines(onnx_dir: Path, out: Path, spec: ProfileSpec, kinds=None, plugins: str = "aot",
                   timing_cache: Path | None = None, verbose: bool = False, log=None, logger=None) -> dict:
     """Build the engines of an export directory into `out` and write its manifest; -> the engine manifest.
-    log(line) shows progress (default: print, flushed — a build of K2 takes a while)."""
+    kinds: default every block kind, and the MoE parts the export has (--expert-parallel). log(line) shows
+    progress (default: print, flushed — a build of K2 takes a while)."""
     log = log or (lambda line: print(line, flush=True))
     export = read_manifest(onnx_dir)
+    if kinds is None:
+        kinds = BLOCK_KINDS + tuple(k for k in MOE_PART_KINDS if f"trt/{k}" in export["graphs"])
     if out.exists() and not out.is_dir():
         raise K2Error(f"--out {out} exists and is not a directory")
     graphs = {kind: _graph(export, kind, onnx_dir) for kind in kinds}

@@ -41,6 +41,7 @@ def engine_entry(kind: str, graph: dict, profiles: list[Profile], engine_file: s
         "outputs": graph["outputs"],
         "weights": graph["weights"],
         "plugins": plugin_modes,
+        **({"dispatch": graph["dispatch"]} if "dispatch" in graph else {}),  # an experts engine's rows
     }
 
 
@@ -59,6 +60,7 @@ def make_engine_manifest(export_manifest: dict, spec: ProfileSpec, env: dict, en
         "act_dtype": export_manifest["act_dtype"],
         "activation_quant": export_manifest.get("activation_quant"),
         "layers": export_manifest["layers"],
+        "expert_parallel": export_manifest.get("expert_parallel", 1),
         "profile_spec": spec.as_dict(),
         "engines": engines,
     }

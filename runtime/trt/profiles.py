@@ -6,6 +6,10 @@ Every graph gets two profiles, in this order (the runtime selects them by index)
   1 "decode":  T = 1, the same B and P ranges — decode kernels get their own tactics.
 P is the cache capacity: the runtime hands the whole preallocated cache to every block, so P >= T always and
 "P+T" (the keys) is evaluated from the P and T ranges. Weights have static shapes and need no profile entry.
+The experts graph of an expert-parallel MoE block takes R rows, the (token, expert) pairs dispatched to its rank:
+in decode at most every rank's B·k (the router may send them all to one rank), in prefill one call takes up to
+B·T·k of them (max_rows_per_call; the runtime splits a larger dispatch into calls of that many, rows being
+independent).
 """
 
 from __future__ import annotations
@@ -50,11 +54,24 @@ class ProfileSpec:
                                    f"--{mx.replace('_', '-')} {getattr(self, mx)}")
 
     # (min, opt, max) of each named dim per profile
-    def dim_ranges(self, profile: str) -> dict[str, tuple[int, int, int]]:
+    def dim_ranges(self, profile: str, dispatch: dict | None = None) -> dict[str, tuple[int, int, int]]:
+        """dispatch: {"top_k": k, "ranks": E} of an experts graph (its R rows)."""
         if profile not in PROFILE_NAMES:
             raise ProfileError(f"unknown profile {profile!r}; expected one of {PROFILE_NAMES}")
         t = (1, self.opt_prefill, self.max_prefill) if profile == "prefill" else (1, 1, 1)
-        return {"B": (1, self.opt_batch, self.max_batch), "T": t, "P": (1, self.opt_seq, self.max_capacity)}
+        dims = {"B": (1, self.opt_batch, self.max_batch), "T": t, "P": (1, self.opt_seq, self.max_capacity)}
+        if dispatch is not None:
+            dims["R"] = self.row_range(profile, dispatch["top_k"], dispatch["ranks"])
+        return dims
+
+    def row_range(self, profile: str, top_k: int, ranks: int) -> tuple[int, int, int]:
+        """(min, opt, max) rows of one experts call: decode, every rank's batch on this one; prefill, one rank's
+        worth of a prefill call (at least the decode range)."""
+        decode = (1, self.opt_batch * top_k, self.max_batch * top_k * ranks)
+        if profile == "decode":
+            return decode
+        return (1, self.opt_batch * self.opt_prefill * top_k,
+                max(decode[2], self.max_batch * self.max_prefill * top_k))
 
     @property
     def max_capacity(self) -> int:
@@ -148,7 +165,7 @@ def graph_profiles(spec: ProfileSpec, graph: dict) -> list[Profile]:
     weights = set(graph.get("weights", ()))
     profiles = []
     for name in PROFILE_NAMES:
-        ranges = spec.dim_ranges(name)
+        ranges = spec.dim_ranges(name, graph.get("dispatch"))
         corners = [{d: r[i] for d, r in ranges.items()} for i in range(3)]  # min, opt, max values
         shapes = {}
         for inp in graph["inputs"]:
