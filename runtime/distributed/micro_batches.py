@@ -87,6 +87,8 @@ class MicroBatchScheduler:
         load = [len(s.waiting) + len(s.layout) for s in self.lanes]
         return self.lanes[load.index(min(load))].submit(req)
 
+    samples_here = False  # the pipeline's last rank samples
+
     def has_work(self) -> bool:
         return any(s.has_work() for s in self.lanes)
 

@@ -154,6 +154,11 @@ class Scheduler:
         self.waiting.append(req)
         return req
 
+    @property
+    def samples_here(self) -> bool:
+        """Whether this process samples (so grammars and log-probabilities can apply): not a pipeline's rank 0."""
+        return hasattr(self.executor, "take_logprobs")
+
     def has_work(self) -> bool:
         return bool(self.waiting or len(self.layout))
 

@@ -71,7 +71,7 @@ class Serving:
         scheduler_thread.on_done = self.metrics.generation_done
         self.grammars = Grammars(tokenizer)
         # grammars and log-probabilities need the sampler in this process (a pipeline's last rank samples)
-        self.constrains = hasattr(scheduler_thread.scheduler.executor, "take_logprobs")
+        self.constrains = scheduler_thread.scheduler.samples_here
 
     # ---- what the routes ask ---------------------------------------------------------------------------
     def stopped(self) -> protocol.APIError | None:
