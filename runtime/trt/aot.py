@@ -148,21 +148,36 @@ def config_key(launch, k: int, block_k: int, kind: tuple) -> tuple:
     return (launch.kernel.__name__, *kind, *tiles, k % block_k == 0, -(-k // block_k) < launch.num_stages)
 
 
-def compile_launch(launch, target: Target | None = None):
-    """Compile a launch, shrinking it until it fits AOT_SHARED_LIMIT -> (the launch compiled, AotKernel).
+def _target_arch(target: Target | None) -> int:
+    if target is not None:
+        return target.arch
+    return int(triton.runtime.driver.active.get_current_target().arch)  # Triton's own target: the current GPU
 
+
+def compile_launch(launch, target: Target | None = None):
+    """Compile a launch, shrinking it until it fits AOT_SHARED_LIMIT and the register file unspilled ->
+    (the launch compiled, AotKernel).
+
+    Spills count as not fitting because they depend on more than the tiles: MoeGateUp bf16 W8A8 at 64 rows, one
+    stage, compiles to 255 registers with 384 experts and spills 24 B with 48 (Kimi K2 at EP 8; E sets BLOCK_E and
+    the weight offsets) — ptxas -v on the PTX tells, and costs one ptxas run per launch compiled.
     A launch is a frozen dataclass with: label, kernel, pointer_types(), constexprs(), num_warps, num_stages,
     shrink() (the next smaller config, or None)."""
     target = target if target is not None else _target
-    first = launch
+    first, why = launch, []
     while launch is not None:
         name, ptx, warps, shared = _compile(launch, target)
-        if shared <= AOT_SHARED_LIMIT:
-            digest = hashlib.sha256(repr((launch, target)).encode()).hexdigest()[:10]
-            unique = f"{ENTRY_PREFIX}{launch.label}_{digest}_{next(_sequence)}"
-            return launch, AotKernel(unique, rename_entry(ptx, name, unique), warps * 32, shared)
+        if shared > AOT_SHARED_LIMIT:
+            why = [f"{shared} B of shared memory"]
+        else:
+            why = ptxas_usage(ptx, _target_arch(target)).fits(warps * 32)
+            if not why:
+                digest = hashlib.sha256(repr((launch, target)).encode()).hexdigest()[:10]
+                unique = f"{ENTRY_PREFIX}{launch.label}_{digest}_{next(_sequence)}"
+                return launch, AotKernel(unique, rename_entry(ptx, name, unique), warps * 32, shared)
         launch = launch.shrink()
-    raise ValueError(f"{first.label}: no tile config fits in {AOT_SHARED_LIMIT // 1024} KiB of shared memory")
+    raise ValueError(f"{first.label}: no tile config fits in {AOT_SHARED_LIMIT // 1024} KiB of shared memory and "
+                     f"the register file unspilled (the smallest: {'; '.join(why)})")
 
 
 # ---- what ptxas says of a compiled kernel ---------------------------------------------------------------------
@@ -189,6 +204,7 @@ class PtxasUsage:
         return problems
 
 
+@functools.lru_cache(maxsize=256)
 def ptxas_usage(ptx: str, arch: int) -> PtxasUsage:
     """`ptxas -v` on a kernel's PTX — what TensorRT's JIT compiles — with Triton's bundled ptxas, the options Triton
     passes it (triton/backends/nvidia/compiler.py make_cubin: --fmad follows enable_fp_fusion). No GPU needed."""
