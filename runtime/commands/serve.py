@@ -13,7 +13,7 @@ import logging
 import signal
 import sys
 
-from k2trt.args import at_least, port
+from k2trt.args import at_least, port, positive_number
 from k2trt.errors import K2Error
 from k2trt.runtime.commands.model import add_model_arguments, add_pipeline_arguments, launch_if_asked, load_model
 
@@ -31,6 +31,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body", type=int, default=4 << 20, help="largest request body in bytes (default 4 MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests may take to finish on SIGTERM (default 10)")
+    p.add_argument("--max-connections", type=at_least(1), default=None,
+                   help="open connections; one more is answered 503 (default: what the file limit leaves)")
+    p.add_argument("--read-timeout", type=positive_number, default=30.0,
+                   help="seconds a client may take to send a request's headers and body (default 30)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_pipeline_arguments(p)
 
@@ -60,6 +64,8 @@ def make_server(args, loaded):
     import uvicorn
 
     from k2trt.runtime.distributed.world import DEFAULT_TIMEOUT_S
+    from k2trt.runtime.serve.connections import (BoundedServer, bounded_protocol, connection_budget, open_fds,
+                                                 raise_file_limit)
     from k2trt.runtime.serve.app import create_app
     from k2trt.runtime.serve.scheduler_thread import SchedulerThread
     from k2trt.runtime.serve.serving import ServeConfig, Serving
@@ -72,9 +78,11 @@ def make_server(args, loaded):
     name = args.served_model_name or str(args.model)
     app = create_app(Serving(scheduler_thread.start(), loaded.tokenizer,
                              ServeConfig(name, scheduler.limits.max_context, args.max_body)))
+    cap, backlog = connection_budget(raise_file_limit(), open_fds(), args.max_connections)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
-    server_box.append(uvicorn.Server(config))
+                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=False,
+                            http=bounded_protocol(cap, args.read_timeout), backlog=backlog)
+    server_box.append(BoundedServer(config))
     return server_box[0], scheduler_thread
 
 

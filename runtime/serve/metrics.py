@@ -12,6 +12,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 LOG = logging.getLogger("k2trt.serve")
 disable_created_metrics()  # no *_created series: a scrape is the counters and histograms only
 
+# The label of every /v1 path the server has (tests/test_serve_limits.py checks it against the routes): any other
+# path counts as "other", so a client inventing paths cannot add series without end.
+ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
+OTHER = "other"
+
 _LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -37,6 +42,7 @@ class Metrics:
         waiting.set_function(lambda: scheduler_thread.waiting)
 
     def request_done(self, endpoint: str, status: int) -> None:
+        endpoint = endpoint if endpoint in ENDPOINTS else OTHER
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
     def generation_done(self, handle) -> None:
