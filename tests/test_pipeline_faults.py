@@ -136,6 +136,31 @@ def test_a_rank_killed_on_an_idle_server_is_the_one_named(pipeline_server):
 
 
 @pytest.mark.slow
+def test_a_rank_killed_mid_stream_ends_the_stream_with_an_error_and_done(pipeline_server):
+    """The client is told in the stream (an error event, then [DONE]), the log has no traceback, and the one line
+    names the rank that died."""
+    s = pipeline_server
+    body = {"model": "x", "prompt": "Hi", "max_tokens": 100000, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=HANG_S) as client:
+        model = client.get(f"http://127.0.0.1:{s.port}/v1/models").json()["data"][0]["id"]
+        with client.stream("POST", f"http://127.0.0.1:{s.port}/v1/completions", json={**body, "model": model}) as r:
+            assert r.status_code == 200
+            events = []
+            for line in r.iter_lines():
+                if not line:
+                    continue
+                events.append(line)
+                if len(events) == 2:  # decoding: the stream has started
+                    os.kill(s.ranks[1], signal.SIGKILL)
+    assert events[-1] == "data: [DONE]", events[-3:]
+    error = json.loads(events[-2].removeprefix("data: "))
+    assert error["error"]["type"] == "server_error", error
+    assert s.wait() == 2
+    lines = s.stderr().strip().splitlines()
+    assert lines == ["k2trt serve: error: rank 1 was killed by signal 9"], lines
+
+
+@pytest.mark.slow
 def test_a_killed_launcher_leaves_no_rank_behind(pipeline_server):
     os.kill(pipeline_server.proc.pid, signal.SIGKILL)
     pipeline_server.wait()

@@ -277,6 +277,9 @@ class Serving:
                 yield chunk([], _usage(choices))
             yield "data: [DONE]\n\n"
             _finish_log(choices, rid, t0, chat)
+        except protocol.APIError as e:  # the scheduler stopped mid-stream (a pipeline rank died): say so, then end
+            yield f"data: {json.dumps(e.body(), ensure_ascii=False)}\n\n"
+            yield "data: [DONE]\n\n"
         finally:
             _cancel(choices)
 
