@@ -50,7 +50,7 @@ def test_metrics_labels_are_a_fixed_set(tiny_ckpt, tiny_export):
     assert len(series) == 2, series
 
 
-def test_a_request_that_never_arrives_whole_times_out(tiny_ckpt, tiny_export):
+def test_a_request_that_never_arrives_whole_times_out(tiny_ckpt, tiny_export, capfd):
     with InProcessServer(tiny_ckpt, tiny_export, "--read-timeout", "2") as s:
         headers = connect(s.port)  # headers that never end
         headers.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n")
@@ -69,6 +69,7 @@ def test_a_request_that_never_arrives_whole_times_out(tiny_ckpt, tiny_export):
         finally:
             for c in (headers, body, silent):
                 c.close()
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_connections_over_the_cap_are_refused_at_once(tiny_ckpt, tiny_export):
