@@ -54,6 +54,10 @@ def at_least(low: int) -> Callable[[str], int]:
 positive_number = checked(float, lambda v: None if math.isfinite(v) and v > 0 else f"must be a finite number > 0, "
                                                                                  f"got {v}", "a number")
 
+# An argparse type: a finite number >= 0 (0: no grace at all).
+non_negative_number = checked(float, lambda v: None if math.isfinite(v) and v >= 0 else
+                              f"must be a finite number >= 0, got {v}", "a number")
+
 
 def int_list(low: int = 1) -> Callable[[str], list[int]]:
     """An argparse type: comma-separated integers, each >= low (e.g. batch sizes "1,4,16")."""

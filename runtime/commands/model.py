@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from k2trt.args import at_least, int_in, int_list
+from k2trt.args import at_least, int_in, int_list, positive_number
 from k2trt.errors import K2Error
 from k2trt.hub import model_dir
 from k2trt.runtime.backends.contract import Backend
@@ -45,7 +45,7 @@ def add_pipeline_arguments(p: argparse.ArgumentParser, micro_batch_list: bool = 
                    help="requests dealt to M micro-batches, up to one per stage in flight, so the stages work at "
                         "once (default 1)" + ("; several counts are measured one after another" if micro_batch_list
                                               else ""))
-    g.add_argument("--dist-timeout", type=float, default=None, metavar="SECONDS",
+    g.add_argument("--dist-timeout", type=positive_number, default=None, metavar="SECONDS",
                    help="how long a step may wait for another rank before giving up (default 120)")
 
 

@@ -13,7 +13,7 @@ import logging
 import signal
 import sys
 
-from k2trt.args import at_least, port, positive_number
+from k2trt.args import at_least, non_negative_number, port, positive_number
 from k2trt.errors import K2Error
 from k2trt.runtime.commands.model import add_model_arguments, add_pipeline_arguments, launch_if_asked, load_model
 
@@ -28,8 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"sequence slots: requests decoded together (default {DEFAULT_MAX_BATCH})")
     p.add_argument("--max-queue", type=at_least(1), default=256, help="waiting requests before 429 (default 256)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
-    p.add_argument("--max-body", type=int, default=4 << 20, help="largest request body in bytes (default 4 MiB)")
-    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+    p.add_argument("--max-body", type=at_least(1), default=4 << 20, help="largest request body in bytes (default 4 MiB)")
+    p.add_argument("--shutdown-timeout", type=non_negative_number, default=10.0,
                    help="seconds in-flight requests may take to finish on SIGTERM (default 10)")
     p.add_argument("--max-connections", type=at_least(1), default=None,
                    help="open connections; one more is answered 503 (default: what the file limit leaves)")
@@ -45,6 +45,9 @@ def run(args) -> int:
         import fastapi  # noqa: F401
     except ImportError:
         raise K2Error("serving needs fastapi and uvicorn (pip install 'k2trt[serve]')") from None
+    from k2trt.runtime.serve.connections import check_listen
+
+    check_listen(args.host, args.port)  # before the model loads (and before any pipeline rank starts)
     launched = launch_if_asked(args)
     if launched is not None:
         return launched

@@ -60,6 +60,7 @@ class Request:
     pending: int | None = None  # the last sampled token, not yet in the cache
     cancelled: bool = False  # set from anywhere; honoured at the next iteration
     submitted_at: float = field(default_factory=time.monotonic)
+    admitted_at: float | None = None  # when it took a slot (None while it waits)
     first_token_at: float | None = None
     finished_at: float | None = None
     logprobs: list = field(default_factory=list)  # sampling.TokenLogprob of each token in token_ids (if asked)
@@ -194,7 +195,9 @@ class Scheduler:
 
     def _admit(self) -> None:
         while self.waiting and self._has_room(self.waiting[0]):
-            self._ops += self.layout.add(self.waiting.popleft())
+            req = self.waiting.popleft()
+            req.admitted_at = time.monotonic()
+            self._ops += self.layout.add(req)
 
     def _has_room(self, req: Request) -> bool:
         """Whether the next waiting request may take a slot now (a paged cache would also ask for its pages)."""

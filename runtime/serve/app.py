@@ -9,7 +9,7 @@ before the next step.
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -50,35 +50,56 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise _TooBig()
+                if seen > self.limit:  # a chunked body has no length to refuse it by: counted as it comes
+                    raise _TooBig(too_big.message)
             return message
 
+        await self.app(scope, limited, send)
+
+
+class _TooBig(StarletteHTTPException):
+    """A body past the limit, found while it is read. An HTTPException because FastAPI re-raises those from the
+    body read (fastapi/routing.py: `except HTTPException: raise`) where it turns any other error into a 400 "error
+    parsing the body"; the exception handler answers it as the 413 a declared length gets."""
+
+    def __init__(self, message: str):
+        super().__init__(413, message)
+
+
+class CountRequests:
+    """ASGI middleware: count each /v1 request by endpoint and the status it was answered with. Pure ASGI, not
+    `@app.middleware("http")`: Starlette's BaseHTTPMiddleware wraps `receive` so that the handler never sees the
+    client's http.disconnect (a request whose client left would run to its end)."""
+
+    def __init__(self, app, metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        status = 500  # no response started: the outermost handler answers 500
+
+        async def counted(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
         try:
-            await self.app(scope, limited, send)
-        except _TooBig:
-            await _error(too_big)(scope, receive, send)
-
-
-class _TooBig(Exception):
-    pass
+            await self.app(scope, receive, counted)
+        finally:
+            self.metrics.request_done(scope["path"], status)
 
 
 def create_app(serving: Serving) -> FastAPI:
     app = FastAPI(title="k2trt", docs_url=None, redoc_url=None)
     app.state.serving = serving
     app.add_middleware(BodyLimit, limit=serving.config.max_body_bytes)
+    app.add_middleware(CountRequests, metrics=serving.metrics)  # outside BodyLimit: its 413s are counted too
     app.add_exception_handler(protocol.APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http)
     app.add_exception_handler(Exception, _internal)
-
-    @app.middleware("http")
-    async def _count(request: Request, call_next):
-        response = await call_next(request)
-        if request.url.path.startswith("/v1/"):
-            serving.metrics.request_done(request.url.path, response.status_code)
-        return response
 
     app.include_router(router)
     return app
@@ -102,7 +123,8 @@ async def _invalid(request, e: RequestValidationError):
 
 
 async def _http(request, e: StarletteHTTPException):
-    return _error(protocol.APIError(e.status_code, str(e.detail), type_="invalid_request_error"))
+    code = "request_too_large" if isinstance(e, _TooBig) else None
+    return _error(protocol.APIError(e.status_code, str(e.detail), type_="invalid_request_error", code=code))
 
 
 async def _internal(request, e: Exception):

@@ -17,15 +17,35 @@ import asyncio
 import logging
 import os
 import resource
+import socket
 import time
 
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from k2trt.errors import K2Error
+
 LOG = logging.getLogger("k2trt.serve")
 RESERVED_FDS = 64  # descriptors kept for everything but clients: logs, model files, pipeline sockets
 REFUSED_LOG_EVERY_S = 10.0  # refusals are logged once per this many seconds, never once each
+
+
+def check_listen(host: str, port: int) -> None:
+    """Bind the address once, before the model loads: a host that does not resolve or a port in use is a one-line
+    error now, not after minutes of loading. Bound as uvicorn will bind it (asyncio's create_server sets
+    SO_REUSEADDR on POSIX), so a port only in TIME_WAIT passes and one another process listens on fails."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise K2Error(f"--host {host!r} does not resolve ({e.strerror})") from None
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise K2Error(f"cannot listen on {host}:{port}: {e.strerror}") from None
 
 
 def raise_file_limit(wanted: int = 65536) -> int:

@@ -36,6 +36,11 @@ class Metrics:
                              buckets=_LATENCY, registry=r)
         self.e2e = Histogram("k2trt:e2e_request_latency_seconds", "submission to last token", buckets=_LATENCY,
                              registry=r)
+        self.client_disconnects = Counter(
+            "k2trt:client_disconnects", "requests cancelled because their client left, by the state they were in",
+            ["state"], registry=r)
+        for state in ("waiting", "prefilling", "decoding"):
+            self.client_disconnects.labels(state=state)  # every state shows, at 0, from the first scrape
         running = Gauge("k2trt:num_requests_running", "requests holding a sequence slot", registry=r)
         waiting = Gauge("k2trt:num_requests_waiting", "requests waiting for a slot", registry=r)
         running.set_function(lambda: scheduler_thread.running)

@@ -4,8 +4,8 @@ Handlers (asyncio) submit requests into a thread-safe inbox and read their text 
 scheduler's thread moves the inbox into the scheduler at every iteration, runs one iteration, and pushes the text
 each token shows (decoded once, by the request's TextStream, in this thread) and then the end to its request's
 queue with `call_soon_threadsafe`. Cancelling sets a flag the scheduler honours at
-its next iteration, so the slot is free before the next step. A bounded queue of waiting requests makes the
-server refuse (429) instead of growing without bound.
+its next iteration, so the slot is free before the next step; a cancelled request stops counting as waiting at
+once. A bounded queue of waiting requests makes the server refuse (429) instead of growing without bound.
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ class SchedulerThread:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._stopping = False
+        # every submitted request not yet finished, by id: added by the handlers, removed by this thread
+        self._lock = threading.Lock()
         self._handles: dict[int, Handle] = {}
         self._thread = threading.Thread(target=self._loop, name="k2trt-scheduler", daemon=True)
         self.error: BaseException | None = None
@@ -73,7 +75,10 @@ class SchedulerThread:
 
     @property
     def waiting(self) -> int:
-        return self._inbox.qsize() + len(self.scheduler.waiting)
+        """Requests that wait for a slot: submitted, not yet admitted, not cancelled (a client that left frees its
+        place in the queue at once, not at the scheduler's next iteration)."""
+        with self._lock:
+            return sum(1 for h in self._handles.values() if h.request.admitted_at is None and not h.request.cancelled)
 
     @property
     def running(self) -> int:
@@ -89,6 +94,8 @@ class SchedulerThread:
         handle = Handle(request, asyncio.Queue(), loop)
         request.on_token = lambda req, tok, text, h=handle: self._push(h, text)
         request.on_finish = lambda req, text, h=handle: self._finished(h, text)
+        with self._lock:
+            self._handles[request.id] = handle
         self._inbox.put(handle)
         self._wake.set()
         return handle
@@ -104,7 +111,7 @@ class SchedulerThread:
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop taking requests, cancel the ones in flight, end the thread."""
         self._stopping = True
-        for h in list(self._handles.values()):
+        for h in self._open():
             h.cancel()
         deadline = time.monotonic() + timeout_s
         while self._thread.is_alive() and self.scheduler.has_work() and time.monotonic() < deadline:
@@ -131,13 +138,18 @@ class SchedulerThread:
                     self._wake.clear()
         except BaseException as e:  # a backend failure: every open request ends, the server reports it
             self.error = e
-            for h in list(self._handles.values()):
+            for h in self._open():
                 self._push(h, End())
             if self.on_error:
                 self.on_error(e)
 
+    def _open(self) -> list[Handle]:
+        with self._lock:
+            return list(self._handles.values())
+
     def _finished(self, handle: Handle, text: str) -> None:
-        self._handles.pop(handle.request.id, None)
+        with self._lock:
+            self._handles.pop(handle.request.id, None)
         if self.on_done:
             self.on_done(handle)
         self._push(handle, End(text))
@@ -149,7 +161,6 @@ class SchedulerThread:
             except queue.Empty:
                 return
             req = handle.request
-            self._handles[req.id] = handle
             if self._stopping:
                 req.cancelled = True
             self.scheduler.submit(req)

@@ -32,7 +32,15 @@ from k2trt.runtime.text.grammar import Grammars
 from k2trt.runtime.text.messages import MessageError
 from k2trt.runtime.text.text_stream import StopRules
 
-DISCONNECT_POLL_S = 0.25
+# nginx's status for a client that closed the request before the answer: what /metrics and the log record
+CLIENT_GONE = 499
+
+
+class ClientGone(Exception):
+    """The client closed its connection: its requests are cancelled, and nothing more is sent."""
+
+
+_GONE = object()  # the item a request's text queue gets when its client left
 
 
 @dataclass
@@ -130,19 +138,24 @@ class Serving:
                         shape: AnswerShape | None = None, echoes: list[str] | None = None):
         t0 = time.monotonic()
         choices = self._submit(body, prompts, chat, asyncio.get_running_loop(), shape, echoes)
+        watch = asyncio.ensure_future(self._watch_disconnect(request, choices))
         kind = "chat.completion" if chat else "text_completion"
         rid = protocol.new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._stream(request, choices, rid, kind, body.model, chat, include_usage, t0,
+            return StreamingResponse(self._stream(watch, choices, rid, kind, body.model, chat, include_usage, t0,
                                                   body),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         texts = {c.index: "" for c in choices}
         try:
             for c in choices:
-                async for text in self._texts(request, c.handle):
+                async for text in self._texts(c.handle):
                     texts[c.index] += text
+        except ClientGone:
+            raise protocol.APIError(CLIENT_GONE, "the client closed the request", code="client_closed_request") \
+                from None
         finally:
+            watch.cancel()
             _cancel(choices)
         out = [self._choice(c, texts[c.index], body, chat) for c in choices]
         _finish_log(choices, rid, t0, chat)
@@ -153,6 +166,12 @@ class Serving:
                 echoes: list[str] | None) -> list[Choice]:
         """Every prompt's n choices, submitted; an error for any refuses them all (the HTTP error to answer)."""
         stops = StopRules.of(self.tokenizer, body.stops(), body.stop_token_ids or (), body.ignore_eos)
+        total, queue = len(prompts) * body.n, self.scheduler_thread.max_waiting
+        if total > queue:  # could never fit, however long the client waits: not a 429
+            what = f"n={body.n}" if len(prompts) == 1 else f"{len(prompts)} prompts" + \
+                (f" × n={body.n}" if body.n > 1 else "")
+            raise protocol.APIError(400, f"{what} asks for {total} generations, more than the {queue} this server "
+                                         f"queues at once; send fewer", param="n" if len(prompts) == 1 else "prompt")
         choices: list[Choice] = []
         try:
             for pi, prompt in enumerate(prompts):
@@ -214,17 +233,32 @@ class Serving:
                                    for t in req.token_ids[:start] if t not in req.stops.hidden)
         return logprob_objects.join(out, logprob_objects.completion_logprobs(tok, c.shown(start, stop), ids, offset))
 
-    async def _texts(self, request: Request, handle: Handle, end: list | None = None):
-        """A request's text as it comes, the last of it included; cancels it if the client goes away. `end` (a
+    async def _watch_disconnect(self, request: Request, choices: list[Choice]) -> None:
+        """Wait for the client to leave (ASGI's http.disconnect, which the server sends as soon as the connection
+        closes, whatever the request is doing) and cancel its unfinished requests: waiting, prefilling or decoding,
+        each frees its place or slot at the scheduler's next iteration. Cancelled when the answer is complete."""
+        try:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass  # a body already read: nothing more comes but the disconnect
+        except OSError:  # the transport failed: the client is gone as surely
+            pass
+        for c in choices:
+            req = c.request
+            if req.done:
+                continue
+            state = "waiting" if req.admitted_at is None else "prefilling" if req.first_token_at is None else \
+                "decoding"
+            self.metrics.client_disconnects.labels(state=state).inc()
+            c.handle.cancel()
+            c.handle.texts.put_nowait(_GONE)
+
+    async def _texts(self, handle: Handle, end: list | None = None):
+        """A request's text as it comes, the last of it included; ClientGone once its client left. `end` (a
         list) receives the End item instead, for a stream that sends the last text with the finish reason."""
         while True:
-            try:
-                item = await asyncio.wait_for(handle.texts.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    handle.cancel()
-                    return
-                continue
+            item = await handle.texts.get()
+            if item is _GONE:
+                raise ClientGone()
             if isinstance(item, End):
                 stopped = self.stopped()
                 if stopped is not None:
@@ -236,9 +270,10 @@ class Serving:
                 return
             yield item
 
-    async def _stream(self, request: Request, choices: list[Choice], rid: str, kind: str, model: str, chat: bool,
-                      include_usage: bool, t0: float, body=None):
+    async def _stream(self, watch: asyncio.Future, choices: list[Choice], rid: str, kind: str, model: str,
+                      chat: bool, include_usage: bool, t0: float, body=None):
         created = protocol.now()
+        pending: dict[asyncio.Future, int] = {}
 
         def chunk(parts, usage=None):
             d = {"id": rid, "object": f"{kind}.chunk" if chat else kind, "created": created, "model": model,
@@ -252,11 +287,11 @@ class Serving:
                 yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                              for c in choices])
             ends: dict[int, list] = {c.index: [] for c in choices}
-            texts = {c.index: self._texts(request, c.handle, ends[c.index]) for c in choices}
+            texts = {c.index: self._texts(c.handle, ends[c.index]) for c in choices}
             by_index = {c.index: c for c in choices}
             streams = {c.index: _ChoiceStream(self, c, body, chat) for c in choices}
             # interleave the choices as their text arrives
-            pending = {asyncio.ensure_future(anext(q)): i for i, q in texts.items()}
+            pending.update({asyncio.ensure_future(anext(q)): i for i, q in texts.items()})
             while pending:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for fut in done:
@@ -277,10 +312,15 @@ class Serving:
                 yield chunk([], _usage(choices))
             yield "data: [DONE]\n\n"
             _finish_log(choices, rid, t0, chat)
+        except ClientGone:  # nobody to send the rest to
+            return
         except protocol.APIError as e:  # the scheduler stopped mid-stream (a pipeline rank died): say so, then end
             yield f"data: {json.dumps(e.body(), ensure_ascii=False)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
+            for fut in pending:
+                fut.cancel()
+            watch.cancel()
             _cancel(choices)
 
 

@@ -1,0 +1,170 @@
+"""Clients that leave, ask for what can never fit, or send a chunked body past the limit (issue 19, items 1, 3, 4
+and 7's start-up checks).
+
+A request is held exactly where the test needs it by the Gate (tests/servers.py): at the head of its prefill step
+(prefilling: no token yet), after a few decode steps (decoding), or behind another request that holds the only slot
+(waiting). Clients are raw sockets on 127.0.0.1, so a test can send a whole request and close the connection
+without reading the answer, as a client that gave up does. Every wait is a poll with a deadline far above the work.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import httpx
+
+from servers import HANG_S, InProcessServer, metric, wait_until
+from k2trt.tools.bench_serve import free_port
+
+BODY = {"model": "tiny", "prompt": "Hello", "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+
+
+def send(port: int, body: dict) -> socket.socket:
+    """A whole POST /v1/completions on a connection of its own, answer unread."""
+    data = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", port), timeout=HANG_S)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+              b"content-length: %d\r\n\r\n%s" % (len(data), data))
+    return s
+
+
+def disconnects(url: str, state: str) -> float:
+    return metric(url, "k2trt:client_disconnects_total", f'{{state="{state}"}}')
+
+
+def test_a_client_that_leaves_is_cancelled_waiting_prefilling_or_decoding(tiny_ckpt, tiny_export):
+    """One slot. A non-streamed request is held in its prefill step and a streamed one waits behind it; each client
+    leaves; each request is cancelled while the gate is still closed (so the server saw the disconnect itself, not
+    the request's end), the waiting one stops counting as waiting at once, and /metrics counts both by state. Then a
+    request held after three steps (decoding) is left the same way, and the slot serves the next request."""
+    with InProcessServer(tiny_ckpt, tiny_export, "--max-batch", "1", "--max-queue", "2",
+                         "--max-context", "4096") as s:
+        s.gate.close()
+        prefilling = send(s.port, BODY)
+        s.gate.wait_held()
+        (held,) = s.scheduler.layout.order
+        assert held.first_token_at is None
+        waiting = send(s.port, {**BODY, "stream": True})
+        wait_until(lambda: metric(s.url, "k2trt:num_requests_waiting") == 1, "the second request to wait")
+
+        waiting.close()
+        wait_until(lambda: metric(s.url, "k2trt:num_requests_waiting") == 0, "the waiting request to be dropped")
+        assert disconnects(s.url, "waiting") == 1
+        prefilling.close()
+        wait_until(lambda: held.cancelled, "the prefilling request to be cancelled")
+        assert disconnects(s.url, "prefilling") == 1
+        assert s.gate.held == 1  # all of it seen while the step still waits at the gate
+
+        s.gate.allow(4)  # the cancelled request's step ends; three of the next request's steps pass
+        decoding = send(s.port, BODY)
+        s.gate.wait_held()
+        wait_until(lambda: s.scheduler.layout.order and s.scheduler.layout.order[0] is not held,
+                   "the third request to hold the slot")
+        (third,) = s.scheduler.layout.order
+        assert third.first_token_at is not None and not third.cancelled
+        decoding.close()
+        wait_until(lambda: third.cancelled, "the decoding request to be cancelled")
+        assert disconnects(s.url, "decoding") == 1
+        s.gate.open()
+        r = httpx.post(s.url + "/v1/completions", json={**BODY, "max_tokens": 4}, timeout=HANG_S)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert held.finish_reason == third.finish_reason == "cancelled" and len(third.token_ids) <= 4
+        # the non-streamed requests whose clients left are logged and counted as nginx's 499
+        wait_until(lambda: metric(s.url, "k2trt:requests_total", '{endpoint="/v1/completions",status="499"}') == 2,
+                   "the two 499s to be counted")
+
+
+def test_a_place_in_the_queue_is_free_as_soon_as_its_client_leaves(tiny_ckpt, tiny_export):
+    """The queue holds one: while the only slot stays held at the gate, a third request is 429; the waiting
+    client leaves; a fourth is accepted at once — before the scheduler has run another iteration."""
+    short = {**BODY, "max_tokens": 4}
+    with InProcessServer(tiny_ckpt, tiny_export, "--max-batch", "1", "--max-queue", "1") as s:
+        s.gate.close()
+        running = send(s.port, short)
+        s.gate.wait_held()
+        waiting = send(s.port, short)
+        wait_until(lambda: metric(s.url, "k2trt:num_requests_waiting") == 1, "the second request to wait")
+        assert httpx.post(s.url + "/v1/completions", json=short, timeout=HANG_S).status_code == 429
+        waiting.close()
+        wait_until(lambda: metric(s.url, "k2trt:num_requests_waiting") == 0, "the place to be free")
+        fourth = send(s.port, short)
+        wait_until(lambda: metric(s.url, "k2trt:num_requests_waiting") == 1, "the fourth request to wait")
+        assert s.gate.held == 1  # the scheduler is still in the step it was in
+        s.gate.open()
+        for sock in (running, fourth):
+            answer = b""
+            while b"completion_tokens" not in answer:
+                chunk = sock.recv(65536)
+                assert chunk, answer
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200"), answer
+            sock.close()
+
+
+def test_what_can_never_fit_is_400_not_429(tiny_ckpt, tiny_export):
+    short = {"model": "tiny", "max_tokens": 2, "temperature": 0}
+    with InProcessServer(tiny_ckpt, tiny_export, "--max-queue", "2") as s:
+        url = s.url + "/v1/completions"
+        r = httpx.post(url, json={**short, "prompt": "Hi", "n": 3}, timeout=HANG_S)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        assert "more than the 2" in r.json()["error"]["message"]
+        r = httpx.post(url, json={**short, "prompt": ["a", "b", "c"]}, timeout=HANG_S)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        r = httpx.post(url, json={**short, "prompt": ["a", "b"], "n": 1}, timeout=HANG_S)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2
+
+
+def test_a_chunked_body_over_the_limit_is_413(tiny_ckpt, tiny_export):
+    """A chunked body has no length to refuse it by: it is counted as it comes, and answered as a sized one is."""
+    with InProcessServer(tiny_ckpt, tiny_export, "--max-body", "1000") as s:
+        def chunks():
+            yield b'{"model": "tiny", "prompt": "'
+            for _ in range(20):
+                yield b"x" * 100
+            yield b'", "max_tokens": 1}'
+
+        r = httpx.post(s.url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"},
+                       timeout=HANG_S)
+        assert r.status_code == 413, r.text
+        assert r.json()["error"]["code"] == "request_too_large"
+        sized = httpx.post(s.url + "/v1/completions", content=b"{" + b" " * 2000 + b"}",
+                           headers={"content-type": "application/json"}, timeout=HANG_S)
+        assert sized.status_code == 413 and sized.json()["error"]["code"] == "request_too_large"
+        assert metric(s.url, "k2trt:requests_total", '{endpoint="/v1/completions",status="413"}') == 2
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "k2trt.cli", "serve", *args], capture_output=True, text=True,
+                          timeout=HANG_S)
+
+
+def test_start_up_failures_are_one_line_before_the_model_loads(tmp_path):
+    """Checked before anything loads: the model path here does not even exist, and each error is still about the
+    flag at fault, one line, status 2."""
+    missing = str(tmp_path / "no-model")
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", free_port()))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        cases = [
+            (["--port", str(port)], f"cannot listen on 127.0.0.1:{port}"),
+            (["--host", "no-such-host.invalid"], "does not resolve"),
+            (["--max-body", "0"], "--max-body"),
+            (["--max-body", "-1"], "--max-body"),
+            (["--shutdown-timeout", "nan"], "--shutdown-timeout"),
+            (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
+            (["--dist-timeout", "nan"], "--dist-timeout"),
+            (["--dist-timeout", "inf"], "--dist-timeout"),
+            (["--dist-timeout", "-5"], "--dist-timeout"),
+        ]
+        for extra, says in cases:
+            r = _serve("--model", missing, *extra)
+            lines = r.stderr.strip().splitlines()
+            assert r.returncode == 2 and len(lines) == 1, (extra, r.stderr)
+            assert lines[0].startswith("k2trt serve: error:") and says in lines[0], (extra, lines)
+    finally:
+        taken.close()
