@@ -163,11 +163,36 @@ BAD = [
     ({"model": "nope", "prompt": "hi"}, 404, "nope"),
     ({"model": "tiny", "prompt": "hi " * 600}, 400, "maximum context length"),
     ({"model": "tiny", "prompt": "hi", "max_tokens": 100000}, 400, "maximum context length"),
+    # strict JSON types, as OpenAI's API takes them (issue 19, item 4)
+    ({"model": "tiny", "prompt": "hi", "max_tokens": "5"}, 400, "max_tokens: Input should be a valid integer"),
+    ({"model": "tiny", "prompt": "hi", "n": True}, 400, "n: Input should be a valid integer"),
+    ({"model": "tiny", "prompt": "hi", "stream": "yes"}, 400, "stream: Input should be a valid boolean"),
+    ({"model": "tiny", "prompt": "hi", "echo": 1}, 400, "echo: Input should be a valid boolean"),
+    ({"model": "tiny", "prompt": [1, 2, True]}, 400, "prompt: must be a list of token ids like its first item; item 2 "
+                                                     "is a boolean"),
+    ({"model": "tiny", "prompt": ["a", 1]}, 400, "item 1 is a number"),
+    ({"model": "tiny", "prompt": 5}, 400, "prompt: must be a string or a list, got a number"),
+    ({"model": "tiny", "prompt": "hi", "temperature": float("nan")}, 400, "temperature: must be a finite number"),
+    ({"model": "tiny", "prompt": "hi", "top_p": float("nan")}, 400, "top_p: must be in (0, 1], got nan"),
+    ({"model": "tiny", "prompt": "hi", "stop_token_ids": [True]}, 400, "stop_token_ids.0: Input should be a valid "
+                                                                      "integer"),
+    ({"model": "tiny", "prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids: token ids are >= 0"),
+    ({"model": "tiny", "prompt": "hi", "stop_token_ids": list(range(100000))}, 400, "at most 256"),
+    ({"model": "tiny", "prompt": "hi", "stop": 5}, 400, "stop: expected list[str] or str, got a number"),
 ]
 BAD_CHAT = [
     ({"model": "tiny", "messages": []}, 400, "messages"),
     ({"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": 5}]}, 400, "content"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": 5}]}, 400,
+     "messages.0.content: expected list[TextPart] or str, got a number"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, 400,
+     "messages.0.content.0.text: Input should be a valid string"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "messages.0.content: image_url parts are not supported"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": "yes"}, 400,
+     "logprobs: Input should be a valid boolean"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2.0}, 400,
+     "max_completion_tokens: Input should be a valid integer"),
     ({"model": "tiny", "messages": "hello"}, 400, "messages"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400,
      "tools"),
@@ -176,7 +201,9 @@ BAD_CHAT = [
 
 @pytest.mark.parametrize("body, status, says", BAD)
 def test_bad_completion_requests(server, body, status, says):
-    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    # sent as json.dumps writes it: NaN included, which httpx's own encoder refuses
+    r = httpx.post(server.url + "/v1/completions", content=json.dumps(body), timeout=60,
+                   headers={"content-type": "application/json"})
     assert r.status_code == status and says in r.json()["error"]["message"], r.text
     assert "--" not in r.json()["error"]["message"]  # fields are named as the API spells them, not as flags
     assert httpx.get(server.url + "/health").status_code == 200

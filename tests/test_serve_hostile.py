@@ -58,11 +58,11 @@ def test_a_client_that_leaves_is_cancelled_waiting_prefilling_or_decoding(tiny_c
         assert disconnects(s.url, "prefilling") == 1
         assert s.gate.held == 1  # all of it seen while the step still waits at the gate
 
+        passed = len(s.gate.batches)
         s.gate.allow(4)  # the cancelled request's step ends; three of the next request's steps pass
         decoding = send(s.port, BODY)
-        s.gate.wait_held()
-        wait_until(lambda: s.scheduler.layout.order and s.scheduler.layout.order[0] is not held,
-                   "the third request to hold the slot")
+        wait_until(lambda: len(s.gate.batches) == passed + 4 and s.gate.held == 1,
+                   "three steps of the third request to pass and the next to wait at the gate")
         (third,) = s.scheduler.layout.order
         assert third.first_token_at is not None and not third.cancelled
         decoding.close()
@@ -168,3 +168,34 @@ def test_start_up_failures_are_one_line_before_the_model_loads(tmp_path):
             assert lines[0].startswith("k2trt serve: error:") and says in lines[0], (extra, lines)
     finally:
         taken.close()
+
+
+def test_shutdown_answers_what_it_cuts_short(tiny_ckpt, tiny_export, capfd):
+    """A shutdown (what SIGTERM asks uvicorn for) while a non-streamed and a streamed request run: after the grace
+    time both are aborted — held at the gate until then, so neither can finish on any machine — and answered as the
+    API says: the non-streamed one an error object (503), the streamed one a final chunk with finish_reason "abort"
+    and [DONE]; nothing in the log is a traceback or uvicorn's task cancellation."""
+    with InProcessServer(tiny_ckpt, tiny_export, "--max-batch", "2", "--shutdown-timeout", "0.5",
+                         "--max-context", "4096") as s:
+        s.gate.allow(2)
+        plain = send(s.port, BODY)
+        streamed = send(s.port, {**BODY, "stream": True})
+        s.gate.wait_held()
+        wait_until(lambda: len(s.scheduler.layout) == 2, "both requests to run")
+        s.server.should_exit = True  # uvicorn's SIGTERM handler does just this
+        wait_until(lambda: all(r.cancelled for r in s.scheduler.layout.order), "the grace time to end")
+        s.gate.open()
+        answers = []
+        for sock in (plain, streamed):
+            out = b""
+            while chunk := sock.recv(65536):
+                out += chunk
+            answers.append(out.decode())
+        head, _, body = answers[0].partition("\r\n\r\n")
+        assert head.startswith("HTTP/1.1 503"), answers[0]
+        assert json.loads(body)["error"]["message"] == "the server shut down before the request finished"
+        events = [line[len("data: "):] for line in answers[1].splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]", events[-3:]
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort", events[-2]
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Cancel" not in err, err

@@ -67,8 +67,8 @@ def make_server(args, loaded):
     import uvicorn
 
     from k2trt.runtime.distributed.world import DEFAULT_TIMEOUT_S
-    from k2trt.runtime.serve.connections import (BoundedServer, bounded_protocol, connection_budget, open_fds,
-                                                 raise_file_limit)
+    from k2trt.runtime.serve.connections import (SHUTDOWN_MARGIN_S, BoundedServer, bounded_protocol,
+                                                 connection_budget, open_fds, raise_file_limit)
     from k2trt.runtime.serve.app import create_app
     from k2trt.runtime.serve.scheduler_thread import SchedulerThread
     from k2trt.runtime.serve.serving import ServeConfig, Serving
@@ -83,9 +83,9 @@ def make_server(args, loaded):
                              ServeConfig(name, scheduler.limits.max_context, args.max_body)))
     cap, backlog = connection_budget(raise_file_limit(), open_fds(), args.max_connections)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=False,
+                            timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_MARGIN_S, access_log=False,
                             http=bounded_protocol(cap, args.read_timeout), backlog=backlog)
-    server_box.append(BoundedServer(config))
+    server_box.append(BoundedServer(config, grace_s=args.shutdown_timeout, on_grace_over=scheduler_thread.abort_all))
     return server_box[0], scheduler_thread
 
 

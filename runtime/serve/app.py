@@ -24,8 +24,15 @@ def _error(e: protocol.APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
+def _is_union_tag(part) -> bool:
+    """pydantic names the member of a union it tried in an error's location ('str', 'list[TextPart]',
+    'NamedToolChoice', "literal['none','auto']"): never one of our fields, which are snake_case names or indices."""
+    return isinstance(part, str) and (not part.replace("_", "").islower() or not part.isidentifier()
+                                      or part in ("str", "int", "float", "bool", "list", "dict"))
+
+
 def _field(loc) -> str:
-    parts = [str(x) for x in loc if x not in ("body",)]
+    parts = [str(x) for x in loc if x != "body"]
     return ".".join(parts) or "body"
 
 
@@ -115,7 +122,21 @@ async def _invalid(request, e: RequestValidationError):
     first = e.errors()[0]
     if first.get("type") == "json_invalid":
         return _error(protocol.APIError(400, f"the body is not valid JSON ({first.get('msg')})", param="body"))
-    field = _field(first.get("loc", ()))
+    loc = tuple(first.get("loc", ()))
+    tag = next((i for i, part in enumerate(loc) if _is_union_tag(part)), None)
+    if tag is not None:  # a value none of a union's members took
+        same = [tuple(x.get("loc", ())) for x in e.errors()]
+        same = [x for x in same if x[:tag] == loc[:tag] and len(x) > tag]
+        deeper = next((i for i, x in enumerate(e.errors()) if tuple(x.get("loc", ()))[:tag] == loc[:tag]
+                       and len(x.get("loc", ())) > tag + 1), None)
+        if deeper is None:  # of no member's shape: say which shapes it may have, and what it was
+            field = _field(loc[:tag])
+            shapes = sorted({str(x[tag]) for x in same})
+            return _error(protocol.APIError(400, f"{field}: expected {' or '.join(shapes)}, got "
+                                                 f"{protocol.json_type(first.get('input'))}", param=field))
+        first = e.errors()[deeper]  # of one member's shape, wrong inside: that member's error
+        loc = tuple(part for part in first["loc"] if not _is_union_tag(part))
+    field = _field(loc)
     msg = str(first.get("msg", "invalid")).removeprefix("Value error, ")
     if field == "body" and "not supported" in msg:
         field = msg.split()[0]

@@ -28,6 +28,8 @@ from k2trt.errors import K2Error
 
 LOG = logging.getLogger("k2trt.serve")
 RESERVED_FDS = 64  # descriptors kept for everything but clients: logs, model files, pipeline sockets
+# after the grace time, requests are aborted and answered; uvicorn cancels what is left this much later
+SHUTDOWN_MARGIN_S = 5.0
 REFUSED_LOG_EVERY_S = 10.0  # refusals are logged once per this many seconds, never once each
 
 
@@ -154,8 +156,22 @@ def quiet_accept_errors(loop) -> None:
 
 
 class BoundedServer(uvicorn.Server):
-    """uvicorn's server, its event loop's accept() errors quieted (quiet_accept_errors)."""
+    """uvicorn's server, its event loop's accept() errors quieted (quiet_accept_errors), with a grace period that
+    ends requests properly: on SIGTERM (or ^C) uvicorn stops accepting and waits `timeout_graceful_shutdown` for
+    the requests in flight, then cancels their tasks (uvicorn/server.py `shutdown`) — a plain-text 500 or a cut
+    stream, and a traceback each. So after `grace_s` this server calls `on_grace_over` (the scheduler thread's
+    abort_all), whose requests end at the next step and are answered as the API says (an error object, or a final
+    chunk and [DONE]); uvicorn's own limit is set SHUTDOWN_MARGIN_S later, time for that step and those writes."""
+
+    def __init__(self, config, grace_s: float | None = None, on_grace_over=None):
+        super().__init__(config)
+        self.grace_s, self.on_grace_over = grace_s, on_grace_over
 
     async def serve(self, sockets=None) -> None:
         quiet_accept_errors(asyncio.get_running_loop())
         await super().serve(sockets)
+
+    async def shutdown(self, sockets=None) -> None:
+        if self.on_grace_over is not None:
+            asyncio.get_running_loop().call_later(self.grace_s or 0.0, self.on_grace_over)
+        await super().shutdown(sockets)

@@ -29,6 +29,7 @@ FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1000  # each: stop strings are searched at every token
 MAX_TEMPERATURE = 2.0  # OpenAI's API takes 0..2
+MAX_STOP_TOKEN_IDS = 256  # each request's stop ids are a set looked up at every token; bounded like stop strings
 
 
 class APIError(Exception):
@@ -45,24 +46,24 @@ class APIError(Exception):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
     """The fields both endpoints share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     # None: the API's default (sampling.API_DEFAULTS); the ranges are SamplingParams' own (sampling.field_problem)
-    temperature: float | None = Field(default=None, le=MAX_TEMPERATURE)
+    temperature: float | None = None  # <= MAX_TEMPERATURE, checked after SamplingParams' rule (NaN: not finite)
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
@@ -75,6 +76,16 @@ class _Sampling(BaseModel):
         problem = None if v is None else field_problem(info.field_name, v)
         if problem:
             raise ValueError(problem)
+        if info.field_name == "temperature" and v is not None and v > MAX_TEMPERATURE:
+            raise ValueError(f"must be at most {MAX_TEMPERATURE:g} (OpenAI's range), got {v}")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v):
+        bad = [t for t in v or () if t < 0]
+        if bad:
+            raise ValueError(f"token ids are >= 0, got {bad[0]}")
         return v
 
     @field_validator("stop")
@@ -111,26 +122,26 @@ MEDIA_PARTS = ("image", "input", "video", "audio")  # image_url, input_image, in
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["text"]
     text: str
 
 
 class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     name: str
     arguments: str  # JSON, as text (checked when the conversation is encoded: runtime/text/messages.py)
 
 
 class ToolCallParam(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -173,7 +184,7 @@ class ChatMessage(BaseModel):
 
 
 class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict | None = None  # a JSON schema of type object; none: no arguments
@@ -188,7 +199,7 @@ class FunctionDefinition(BaseModel):
 
 
 class Tool(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["function"]
     function: FunctionDefinition
 
@@ -197,18 +208,18 @@ class Tool(BaseModel):
 
 
 class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     name: str
 
 
 class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["function"]
     function: NamedFunction
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
     name: str = "response"
     description: str | None = None
     json_schema: dict = Field(default_factory=dict, alias="schema")
@@ -216,7 +227,7 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -310,12 +321,28 @@ class CompletionRequest(_Sampling):
     def logprob_params(self) -> dict:
         return {"logprobs": self.logprobs, "prompt_logprobs": self.logprobs if self.echo else None}
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _not_empty(cls, v):
-        if isinstance(v, list) and not v:
+    def _prompt_shape(cls, v):
+        """Which of the four shapes, said plainly (a union's own error names each member it tried)."""
+        if isinstance(v, str):
+            return v
+        if not isinstance(v, list):
+            raise ValueError(f"must be a string or a list, got {json_type(v)}")
+        if not v:
             raise ValueError("must not be empty")
-        return v
+        token_ids = lambda x: isinstance(x, list) and x and all(type(t) is int for t in x)  # noqa: E731
+        if all(type(x) is int for x in v) or all(isinstance(x, str) for x in v) or all(token_ids(x) for x in v):
+            return v
+        i, first = 0, v[0]
+        kind = int if type(first) is int else str if isinstance(first, str) else list
+        for i, x in enumerate(v):
+            if not (type(x) is int if kind is int else isinstance(x, str) if kind is str else token_ids(x)):
+                break
+        if kind is list:
+            raise ValueError(f"must be a list of non-empty lists of token ids like its first item; item {i} is not")
+        what = "token ids" if kind is int else "strings"
+        raise ValueError(f"must be a list of {what} like its first item; item {i} is {json_type(v[i])}")
 
     def new_tokens(self, default: int) -> int:
         return self.max_tokens or default
@@ -325,6 +352,17 @@ class CompletionRequest(_Sampling):
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
         return list(p)
+
+
+def json_type(v) -> str:
+    """A value's JSON type, as an error message names it."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, (int, float)):
+        return "a number"
+    return {str: "a string", list: "a list", dict: "an object"}.get(type(v), type(v).__name__)
 
 
 # ---- responses -------------------------------------------------------------------------------------------------
@@ -339,8 +377,9 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def finish_reason(reason: str | None) -> str | None:
-    """Ours -> OpenAI's: a stop token or a stop string is "stop", the length limit "length"."""
-    return {"stop_token": "stop", "stop_string": "stop", "length": "length"}.get(reason, reason)
+    """Ours -> OpenAI's: a stop token or a stop string is "stop", the length limit "length"; a request the server
+    cut short (shutting down) "abort", vLLM's word."""
+    return {"stop_token": "stop", "stop_string": "stop", "length": "length", "cancelled": "abort"}.get(reason, reason)
 
 
 def chat_finish_reason(reason: str | None, called_tools: bool) -> str | None:

@@ -108,11 +108,17 @@ class SchedulerThread:
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Stop taking requests, cancel the ones in flight, end the thread."""
+    def abort_all(self) -> None:
+        """Stop taking requests (503) and cancel every one submitted: each ends at the scheduler's next iteration
+        (finish reason "cancelled"), so its handler can still answer it properly. Safe from any thread."""
         self._stopping = True
         for h in self._open():
             h.cancel()
+        self._wake.set()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop taking requests, cancel the ones in flight, end the thread."""
+        self.abort_all()
         deadline = time.monotonic() + timeout_s
         while self._thread.is_alive() and self.scheduler.has_work() and time.monotonic() < deadline:
             self._wake.set()

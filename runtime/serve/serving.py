@@ -157,6 +157,8 @@ class Serving:
         finally:
             watch.cancel()
             _cancel(choices)
+        if any(c.request.finish_reason == FINISH_CANCELLED for c in choices):  # aborted: the server is stopping
+            raise protocol.APIError(503, "the server shut down before the request finished", type_="server_error")
         out = [self._choice(c, texts[c.index], body, chat) for c in choices]
         _finish_log(choices, rid, t0, chat)
         return {"id": rid, "object": kind, "created": protocol.now(), "model": body.model, "choices": out,
@@ -288,7 +290,6 @@ class Serving:
                              for c in choices])
             ends: dict[int, list] = {c.index: [] for c in choices}
             texts = {c.index: self._texts(c.handle, ends[c.index]) for c in choices}
-            by_index = {c.index: c for c in choices}
             streams = {c.index: _ChoiceStream(self, c, body, chat) for c in choices}
             # interleave the choices as their text arrives
             pending.update({asyncio.ensure_future(anext(q)): i for i, q in texts.items()})
@@ -298,11 +299,8 @@ class Serving:
                     i = pending.pop(fut)
                     try:
                         text = fut.result()
-                    except StopAsyncIteration:
-                        req = by_index[i].request
-                        if req.finish_reason in (None, FINISH_CANCELLED) or not ends[i]:
-                            continue  # the client went away
-                        yield chunk([streams[i].last(ends[i][0].text)])
+                    except StopAsyncIteration:  # its End: the last text with the finish reason ("abort" when
+                        yield chunk([streams[i].last(ends[i][0].text)])  # the server cut it short)
                         continue
                     part = streams[i].token(text)
                     if part is not None:
