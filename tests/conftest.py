@@ -1,4 +1,12 @@
 import os
+import signal
+
+# Tests that press ^C (SIGINT to a child) need the child to take it as a terminal's foreground job does. A shell
+# starts a background job (`make test &`, nohup) with SIGINT ignored, a disposition every child inherits and under
+# which Python installs no KeyboardInterrupt handler: the child would run on. A handler here (not SIG_IGN) makes
+# each exec'd child start with SIGINT at its default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Triton kernels run on CPU tensors under its interpreter; set before anything imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
