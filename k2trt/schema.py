@@ -64,6 +64,12 @@ def check(value: Any, schema: Any, where: str, error=K2Error) -> None:
             raise error(f"{where}: expected {_name(schema)}, got {_json_type(value)}")
 
 
+def json_kind(value: Any) -> str:
+    """A JSON value's type as a message about a wrong value names it ("a boolean", "a number", "null", ...)."""
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
 def _json_type(value: Any) -> str:
     if value is None:
         return "null"

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k2trt.runtime.serve import protocol
+from k2trt.schema import json_kind
 from k2trt.runtime.serve.metrics import LOG
 from k2trt.runtime.serve.routes import router
 from k2trt.runtime.serve.serving import Serving
@@ -124,17 +125,15 @@ async def _invalid(request, e: RequestValidationError):
         return _error(protocol.APIError(400, f"the body is not valid JSON ({first.get('msg')})", param="body"))
     loc = tuple(first.get("loc", ()))
     tag = next((i for i, part in enumerate(loc) if _is_union_tag(part)), None)
-    if tag is not None:  # a value none of a union's members took
-        same = [tuple(x.get("loc", ())) for x in e.errors()]
-        same = [x for x in same if x[:tag] == loc[:tag] and len(x) > tag]
-        deeper = next((i for i, x in enumerate(e.errors()) if tuple(x.get("loc", ()))[:tag] == loc[:tag]
-                       and len(x.get("loc", ())) > tag + 1), None)
+    if tag is not None:  # a value none of a union's members took: the errors of each member it tried
+        tried = [x for x in e.errors() if tuple(x.get("loc", ()))[:tag] == loc[:tag] and len(x["loc"]) > tag]
+        deeper = next((x for x in tried if len(x["loc"]) > tag + 1), None)
         if deeper is None:  # of no member's shape: say which shapes it may have, and what it was
             field = _field(loc[:tag])
-            shapes = sorted({str(x[tag]) for x in same})
+            shapes = sorted({str(x["loc"][tag]) for x in tried})
             return _error(protocol.APIError(400, f"{field}: expected {' or '.join(shapes)}, got "
-                                                 f"{protocol.json_type(first.get('input'))}", param=field))
-        first = e.errors()[deeper]  # of one member's shape, wrong inside: that member's error
+                                                 f"{json_kind(first.get('input'))}", param=field))
+        first = deeper  # of one member's shape, wrong inside: that member's error
         loc = tuple(part for part in first["loc"] if not _is_union_tag(part))
     field = _field(loc)
     msg = str(first.get("msg", "invalid")).removeprefix("Value error, ")

@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from k2trt.runtime.generation.sampling import API_DEFAULTS, MAX_LOGPROBS, MAX_SEED, SamplingParams, field_problem
+from k2trt.schema import json_kind
 
 MAX_N = 16
 MAX_TOOLS = 128
@@ -328,7 +329,7 @@ class CompletionRequest(_Sampling):
         if isinstance(v, str):
             return v
         if not isinstance(v, list):
-            raise ValueError(f"must be a string or a list, got {json_type(v)}")
+            raise ValueError(f"must be a string or a list, got {json_kind(v)}")
         if not v:
             raise ValueError("must not be empty")
         token_ids = lambda x: isinstance(x, list) and x and all(type(t) is int for t in x)  # noqa: E731
@@ -342,7 +343,7 @@ class CompletionRequest(_Sampling):
         if kind is list:
             raise ValueError(f"must be a list of non-empty lists of token ids like its first item; item {i} is not")
         what = "token ids" if kind is int else "strings"
-        raise ValueError(f"must be a list of {what} like its first item; item {i} is {json_type(v[i])}")
+        raise ValueError(f"must be a list of {what} like its first item; item {i} is {json_kind(v[i])}")
 
     def new_tokens(self, default: int) -> int:
         return self.max_tokens or default
@@ -352,17 +353,6 @@ class CompletionRequest(_Sampling):
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
         return list(p)
-
-
-def json_type(v) -> str:
-    """A value's JSON type, as an error message names it."""
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "a boolean"
-    if isinstance(v, (int, float)):
-        return "a number"
-    return {str: "a string", list: "a list", dict: "an object"}.get(type(v), type(v).__name__)
 
 
 # ---- responses -------------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import tiktoken
 
 from k2trt.errors import K2Error
 from k2trt.files import read_bounded, read_json_object, read_text
+from k2trt.schema import json_kind
 from k2trt.runtime.text.chat_template import ChatTemplate
 from k2trt.runtime.text.messages import encode_messages
 
@@ -104,8 +105,7 @@ def _named_token(config: dict, key: str, default: str, path: Path) -> str:
 
 def _json_kind(value: Any) -> str:
     """How a wrong JSON value is described in an error: its type, and the value when short."""
-    kind = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
-            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+    kind = json_kind(value)
     text = repr(value)
     return f"{kind} {text}" if len(text) <= 40 else kind
 
