@@ -52,7 +52,7 @@ def layout_label(stages: int, experts: int) -> str:
                                   f"EP {experts}" if experts > 1 else "") if x)
 
 
-def render(single: dict | None, rows: list[dict], stages: int, experts: int, shares: dict) -> str:
+def render(single: dict | None, rows: list[dict], stages: int, experts: int) -> str:
     head = (f"{'':<34}{'ms/decode step':>16}{'prefill tok/s':>15}{'decode tok/s':>14}{'decode ×1':>11}"
             f"{'transfer share':>16}")
     lines = [head]
@@ -63,7 +63,7 @@ def render(single: dict | None, rows: list[dict], stages: int, experts: int, sha
     for row in rows:
         m = row["micro_batches"]
         label = f"{layout_label(stages, experts)}, {m} micro-batch{'es' * (m != 1)}"
-        share = f"{shares['transfer_share']:.1%}" if m == 1 and len(rows) == 1 else "-"
+        share = "-" if row["transfer_share"] is None else f"{row['transfer_share']:.1%}"
         gain = f"{row['decode_tokens_per_s'] / base:.2f}×" if base else "-"
         lines.append(f"{label:<34}{row['ms_per_decode_step']:>16}{row['prefill_tokens_per_s']:>15}"
                      f"{row['decode_tokens_per_s']:>14}{gain:>11}{share:>16}")
@@ -72,13 +72,15 @@ def render(single: dict | None, rows: list[dict], stages: int, experts: int, sha
         lines.append(f"a decode step through {layout_label(stages, experts)} takes {ratio:.2f}x the single "
                      f"process's (one micro-batch: {rows[0]['micro_batches']})")
     if experts > 1:
-        lines.append(f"all-to-all: {shares['all_to_all_share']:.1%} of each rank's step time; "
-                     f"{shares['bytes_per_decode_step'] / 1e3:.1f} kB moved between ranks per decode step")
+        first = rows[0]
+        lines.append(f"all-to-all: {first['all_to_all_share']:.1%} of each rank's step time; "
+                     f"{first['bytes_per_decode_step'] / 1e3:.1f} kB moved between ranks per decode step "
+                     f"({first['micro_batches']} micro-batch{'es' * (first['micro_batches'] != 1)})")
     return "\n".join(lines)
 
 
 def rank_shares(stats, decode_steps: int) -> dict:
-    """Transfer share (rank 0, one micro-batch), all-to-all share (mean over ranks), bytes per decode step."""
+    """Of one run's timings: transfer share (rank 0), all-to-all share (mean over ranks), bytes per decode step."""
     from k2trt.runtime.distributed.session import transfer_share
 
     a2a = [s.exchange.seconds / s.step_s for s in stats if s.step_s]
@@ -104,19 +106,24 @@ def run(args) -> int:
         return 0
     leader, cfg = loaded.executor, loaded.config
     limits = loaded.limits()
-    rows = []
-    for m in args.micro_batches:
+    rows, mark = [], loaded.session.mark("start")
+    for i, m in enumerate(args.micro_batches):
         scheduler = MicroBatchScheduler(leader, cfg, limits, m) if m > 1 else None
         gen = Generator(loaded.backend, cfg, limits, executor=leader, scheduler=scheduler)
-        rows.append({"micro_batches": m, **measure(gen, prompts_of(args, cfg), args.new_tokens, args.repeat)})
-    decode_steps = leader.decode_steps
-    stats = loaded.close()
-    stages = len(stats) // experts
-    shares = rank_shares(stats, decode_steps)
+        steps = leader.decode_steps
+        row = measure(gen, prompts_of(args, cfg), args.new_tokens, args.repeat)
+        earlier, mark = mark, loaded.session.mark(f"run{i}")
+        # each run's own timings: the transfer share of a run of M > 1 would subtract other ranks' work that
+        # overlapped rank 0's, not its waits, so it is shown for one micro-batch only
+        shares = rank_shares([s.since(e) for s, e in zip(mark, earlier)], leader.decode_steps - steps)
+        rows.append({"micro_batches": m, **row, **shares, "transfer_share": shares["transfer_share"] if m == 1
+                     else None})
+    loaded.close()
+    stages = len(mark) // experts
     single = json.loads(os.environ.get(SINGLE_ENV) or "null")
     if args.json:
         print(json.dumps({"single_process": single, "stages": stages, "expert_parallel": experts,
-                          "pipeline": {**rows[0], "stages": stages, **shares}, "runs": rows}))
+                          "pipeline": {**rows[0], "stages": stages}, "runs": rows}))
     else:
-        print(render(single, rows, stages, experts, shares))
+        print(render(single, rows, stages, experts))
     return 0

@@ -27,6 +27,7 @@ pickle.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections import deque
@@ -81,15 +82,28 @@ class StepMessage:
 SHUTDOWN = b'{"shutdown": true}'
 
 
+@dataclass(frozen=True)
+class Publish:
+    """Not a step: every rank puts its timings so far in the store under `tag` (a bench's mark between runs)."""
+
+    tag: str
+
+
+def publish_message(tag: str) -> bytes:
+    return json.dumps({"publish": tag}).encode()
+
+
 def encode_message(m: StepMessage) -> bytes:
     return json.dumps({"lane": m.lane, "active": m.active, "decode": m.decode, "plan": _plan_dict(m.plan)},
                       separators=(",", ":")).encode()
 
 
-def decode_message(blob: bytes) -> StepMessage | None:
+def decode_message(blob: bytes) -> StepMessage | Publish | None:
     d = json.loads(blob)
     if d.get("shutdown"):
         return None
+    if "publish" in d:
+        return Publish(d["publish"])
     return StepMessage(d["lane"], _plan_of(d["plan"]), d["active"], d["decode"])
 
 
@@ -250,6 +264,7 @@ class StageRunner:
         self.backend, self.cfg, self.clock = first.backend, first.cfg, first.clock
         self.transport = Transport(world, self.backend.device)
         self.step_s = 0.0  # inside this rank's part of the steps, its transfers included
+        self.transfer_s = 0.0  # of it, inside sends and receives: both over the same windows, so busy >= 0
 
     def stage(self, lane: int) -> StageExecutor:
         if lane not in self.lanes:
@@ -262,15 +277,23 @@ class StageRunner:
     def session_seconds(self) -> float | None:
         return self.backend.session_seconds()
 
+    @contextlib.contextmanager
+    def timing(self):
+        """A window of step work: its wall time and the transfers inside it. The transport's own counter also
+        runs outside steps (a follower's flush, rank 0's shutdown); a share taken from it against step time
+        could pass 1."""
+        t0, moved = time.perf_counter(), self.transport.seconds
+        try:
+            yield
+        finally:
+            self.step_s += time.perf_counter() - t0
+            self.transfer_s += self.transport.seconds - moved
+
     def step(self, m: StepMessage, blob: bytes, hidden: Posted | None = None) -> list[int | None] | None:
         """This rank's part of one step (the message forwarded down its column first; `hidden`: the posted receive
         of its input, on a rank past the first stage); -> the sampled ids of its column's sequences on a last-stage
-        rank of an active step, else None."""
-        t0 = time.perf_counter()
-        try:
-            return self._step(m, blob, hidden)
-        finally:
-            self.step_s += time.perf_counter() - t0
+        rank of an active step, else None. The caller times it (`timing`)."""
+        return self._step(m, blob, hidden)
 
     def expect_hidden(self, m: StepMessage) -> Posted | None:
         """The receive of the step's hidden state, where one comes (posted as soon as the plan is read)."""
@@ -335,6 +358,10 @@ class PipelineExecutor:
 
     def issue(self, lane: int, plan: StepPlan) -> None:
         """Send every column its part of the plan and do rank 0's own."""
+        with self.runner.timing():
+            self._issue(lane, plan)
+
+    def _issue(self, lane: int, plan: StepPlan) -> None:
         if self.columns == 1:
             plans = [plan]
         else:
@@ -353,15 +380,12 @@ class PipelineExecutor:
 
     def complete(self) -> tuple[int, list[int | None]]:
         """The oldest step in flight: (its lane, the sampled id of each of its sequences)."""
-        t0 = time.perf_counter()
-        try:
+        with self.runner.timing():
             lane, plan, expected, own = self.in_flight.popleft()
             if not plan.tokens:
                 return lane, []
             ids = [own if e is None else self.runner.transport.ids(e) for e in expected]
             return lane, ids[0] if self.columns == 1 else self.split_by_lane[lane].merge(plan, ids)
-        finally:
-            self.runner.step_s += time.perf_counter() - t0
 
     def run(self, plan: StepPlan) -> list[int | None]:
         self.issue(0, plan)
@@ -370,38 +394,47 @@ class PipelineExecutor:
     def session_seconds(self) -> float | None:
         return self.runner.session_seconds()
 
-    @property
-    def transfer_seconds(self) -> float:
-        return self.runner.transport.seconds
-
     def shutdown(self) -> None:
         """Every column's ranks leave their loops, in order down the column."""
+        self._broadcast(SHUTDOWN)
+        self.runner.transport.flush()
+
+    def publish(self, tag: str) -> None:
+        """Every other rank puts its timings so far in the store under `tag`, between steps."""
+        self._broadcast(publish_message(tag))
+
+    def _broadcast(self, blob: bytes) -> None:
+        """A control message to every column's head, passed down the column; the steps in flight finish first."""
         tr, topo = self.runner.transport, self.topology
         while self.in_flight:
             self.complete()
         for column in range(self.columns):
             dst = topo.next if column == 0 else topo.column_head(column)
             if dst is not None:
-                tr.send_message(dst, SHUTDOWN)
-        tr.flush()
+                tr.send_message(dst, blob)
 
 
-def follow(runner: StageRunner) -> StageRunner:
-    """A rank other than 0: run every step rank 0 plans, until it says stop. Returns the runner (its timings)."""
+def follow(runner: StageRunner, publish=lambda tag: None) -> StageRunner:
+    """A rank other than 0: run every step rank 0 plans, until it says stop; `publish(tag)` when it asks for
+    this rank's timings so far. Returns the runner (its timings)."""
     topo, tr = runner.topology, runner.transport
     posted = tr.expect_message(topo.plan_source)
     while True:
-        t0 = time.perf_counter()
-        blob = tr.message(posted, topo.plan_source)
-        runner.step_s += time.perf_counter() - t0
+        with runner.timing():  # the wait for the plan included: a follower's idle time is time in a transfer
+            blob = tr.message(posted, topo.plan_source)
         m = decode_message(blob)
-        if m is None:
+        if m is None or isinstance(m, Publish):
             if topo.next is not None:
-                tr.send_message(topo.next, SHUTDOWN)
-            tr.flush()
-            return runner
-        hidden = runner.expect_hidden(m)  # in the order they come: this step's hidden state, then the next plan
-        posted = tr.expect_message(topo.plan_source)
-        ids = runner.step(m, blob, hidden)
-        if ids is not None:
-            tr.send_ids(0, ids)
+                tr.send_message(topo.next, blob)
+            if m is None:
+                tr.flush()
+                return runner
+            posted = tr.expect_message(topo.plan_source)
+            publish(m.tag)
+            continue
+        with runner.timing():
+            hidden = runner.expect_hidden(m)  # in the order they come: this step's hidden state, then the next plan
+            posted = tr.expect_message(topo.plan_source)
+            ids = runner.step(m, blob, hidden)
+            if ids is not None:
+                tr.send_ids(0, ids)

@@ -27,14 +27,14 @@ from k2trt.runtime.generation.executor import StageExecutor
 UNLIMITED = 1 << 62  # no memory check on the split itself: the backend fails loudly if a stage does not fit
 
 
-def stats_key(rank: int) -> str:
-    return f"k2trt/stats/{rank}"
+def stats_key(rank: int, tag: str = "end") -> str:
+    return f"k2trt/stats/{tag}/{rank}"
 
 
 @dataclass
 class RankStats:
     backend_s: float  # inside this rank's backend calls
-    transfer_s: float  # inside this rank's sends and receives (waiting for the others included)
+    transfer_s: float  # inside this rank's sends and receives within its steps (waiting for the others included)
     step_s: float  # inside its part of the steps
     exchange: ExchangeStats = field(default_factory=ExchangeStats)  # its MoE layers' all-to-alls (expert parallel)
 
@@ -42,6 +42,14 @@ class RankStats:
     def busy_s(self) -> float:
         """Working, not waiting for a message."""
         return self.step_s - self.transfer_s - self.exchange.seconds
+
+    def since(self, earlier: "RankStats") -> "RankStats":
+        """The timings between two marks of one rank."""
+        e, x = earlier.exchange, self.exchange
+        return RankStats(self.backend_s - earlier.backend_s, self.transfer_s - earlier.transfer_s,
+                         self.step_s - earlier.step_s,
+                         ExchangeStats(x.seconds - e.seconds, x.bytes_sent - e.bytes_sent,
+                                       x.decode_bytes - e.decode_bytes))
 
 
 def transfer_share(stats: list["RankStats"]) -> float:
@@ -100,22 +108,32 @@ class RankSession:
     exchange: ExpertExchange | None = None  # its MoE layers' all-to-alls (expert parallel)
 
     def follow(self) -> None:
-        follow(self.runner)
-        self._publish(self._stats(self.runner.transport.seconds))
+        follow(self.runner, self._publish)
+        self._publish()
 
-    def _stats(self, transfer_s: float) -> RankStats:
-        return RankStats(self.runner.clock.backend_s, transfer_s, self.runner.step_s,
-                         self.exchange.stats if self.exchange is not None else ExchangeStats())
+    def _stats(self) -> RankStats:
+        r = self.runner
+        return RankStats(r.clock.backend_s, r.transfer_s, r.step_s,
+                         replace(self.exchange.stats) if self.exchange is not None else ExchangeStats())
+
+    def mark(self, tag: str) -> list[RankStats]:
+        """Rank 0, between steps: every rank's timings so far (a bench takes one run's as the difference of two
+        marks)."""
+        self.leader.publish(tag)
+        return [self._stats()] + self._gather(tag)
 
     def shutdown(self) -> list[RankStats]:
         """Rank 0: end every rank's loop, then gather their timings (their own counters, through the store)."""
         self.leader.shutdown()
-        keys = [stats_key(r) for r in range(1, self.world.size)]
-        self.world.wait_for(keys, self.world.timeout_s)
-        return [self._stats(self.leader.transfer_seconds)] + [_read_stats(self.world.store.get(k)) for k in keys]
+        return [self._stats()] + self._gather("end")
 
-    def _publish(self, stats: RankStats) -> None:
-        self.world.store.set(stats_key(self.world.rank), json.dumps(asdict(stats)))
+    def _gather(self, tag: str) -> list[RankStats]:
+        keys = [stats_key(r, tag) for r in range(1, self.world.size)]
+        self.world.wait_for(keys, self.world.timeout_s)
+        return [_read_stats(self.world.store.get(k)) for k in keys]
+
+    def _publish(self, tag: str = "end") -> None:
+        self.world.store.set(stats_key(self.world.rank, tag), json.dumps(asdict(self._stats())))
 
 
 def _read_stats(raw: bytes) -> RankStats:
