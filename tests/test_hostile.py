@@ -327,6 +327,13 @@ def test_numeric_flags_are_checked_where_declared(tiny_ckpt, tiny_export, capsys
     assert message in one_error_line(rc, err, command)
 
 
+def test_a_stop_token_id_past_the_vocabulary_is_one_line(tiny_ckpt, tiny_export, capsys):
+    # no token could ever match it: refused where the stop rules are made, the same words the server answers
+    base = [a.format(ckpt=tiny_ckpt, onnx=tiny_export) for a in FLAG_BASES["generate"]]
+    rc, _, err = cli(capsys, "generate", *base, "--stop-token-id", "1000000000")
+    assert "stop token id 1000000000 is outside the vocabulary" in one_error_line(rc, err, "generate")
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda m: m.update(graphs=list(m["graphs"].values())), "manifest.json.graphs: expected an object, got a list"),
     (lambda m: m["graphs"].update({"ort/head": "head.onnx"}), "graphs.ort/head: expected an object, got a string"),

@@ -178,6 +178,8 @@ BAD = [
                                                                       "integer"),
     ({"model": "tiny", "prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids: token ids are >= 0"),
     ({"model": "tiny", "prompt": "hi", "stop_token_ids": list(range(100000))}, 400, "at most 256"),
+    ({"model": "tiny", "prompt": "hi", "stop_token_ids": [3, 10**9]}, 400, "stop token id 1000000000 is outside the "
+                                                                           "vocabulary"),
     ({"model": "tiny", "prompt": "hi", "stop": 5}, 400, "stop: expected list[str] or str, got a number"),
 ]
 BAD_CHAT = [

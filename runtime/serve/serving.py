@@ -167,7 +167,10 @@ class Serving:
     def _submit(self, body, prompts: list[list[int]], chat: bool, loop, shape: AnswerShape | None,
                 echoes: list[str] | None) -> list[Choice]:
         """Every prompt's n choices, submitted; an error for any refuses them all (the HTTP error to answer)."""
-        stops = StopRules.of(self.tokenizer, body.stops(), body.stop_token_ids or (), body.ignore_eos)
+        try:
+            stops = StopRules.of(self.tokenizer, body.stops(), body.stop_token_ids or (), body.ignore_eos)
+        except K2Error as e:
+            raise protocol.APIError(400, str(e), param="stop_token_ids") from None
         total, queue = len(prompts) * body.n, self.scheduler_thread.max_waiting
         if total > queue:  # could never fit, however long the client waits: not a 429
             what = f"n={body.n}" if len(prompts) == 1 else f"{len(prompts)} prompts" + \

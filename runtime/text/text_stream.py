@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from k2trt.errors import K2Error
+
 
 @dataclass(frozen=True)
 class StopRules:
@@ -31,8 +33,11 @@ class StopRules:
     @classmethod
     def of(cls, tokenizer, strings=(), stop_ids=(), ignore_eos: bool = False) -> "StopRules":
         """The model's stop tokens (the tokenizer's: [EOS], <|im_end|>), unless ignore_eos, and the caller's stop
-        ids and strings."""
+        ids and strings; an id past the vocabulary is refused (no token could ever match it)."""
         model, own = frozenset(tokenizer.stop_ids), frozenset(stop_ids)
+        outside = sorted(t for t in own if not 0 <= t < tokenizer.vocab_size)
+        if outside:
+            raise K2Error(f"stop token id {outside[0]} is outside the vocabulary (ids 0 to {tokenizer.vocab_size - 1})")
         return cls(ids=own if ignore_eos else own | model, strings=tuple(s for s in strings if s),
                    hidden=own | model, tokenizer=tokenizer)
 
