@@ -1,0 +1,129 @@
+"""The latent cache's pages, as the scheduler counts them: a pool of fixed-size pages, each sequence's page table,
+and the index of full pages by the tokens they hold (prefix reuse). Plain integers only: rank 0 decides, every
+pipeline stage follows the page tables its plans carry (issue 23; not yet the cache the executor runs on).
+
+- A page holds `page_tokens` consecutive positions of one sequence; a sequence's page table lists its pages in
+  position order, so position p lives in page table[p // page_tokens], row p % page_tokens.
+- A page full of prompt tokens is published under its key: a hash chain over every token from the sequence's first
+  to the page's last (the page's tokens and the key of the page before it), so two sequences share a page only when
+  everything before it is the same too — the page's latents depend on all of it (vLLM's automatic prefix caching
+  keys blocks the same way).
+- Pages are reference counted. A shared page is read-only; a page nobody references stays in the index, evicted
+  least recently used only when a new page is needed, so a page a running sequence reads is never evicted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, deque
+
+import numpy as np
+
+from k2trt.errors import K2Error
+
+PAGE_TOKENS = 64  # positions per page: where the GPU MLA kernels sit (FlashMLA's paged decode uses 64)
+
+
+def page_keys(tokens: list[int], page_tokens: int = PAGE_TOKENS) -> list[bytes]:
+    """The key of each full page of `tokens`: a hash of the page's tokens and the key of the page before it."""
+    keys, parent = [], b""
+    for start in range(0, len(tokens) - page_tokens + 1, page_tokens):
+        chunk = np.asarray(tokens[start:start + page_tokens], dtype=np.int64).tobytes()
+        parent = hashlib.sha256(parent + chunk).digest()
+        keys.append(parent)
+    return keys
+
+
+def pages_for(positions: int, page_tokens: int = PAGE_TOKENS) -> int:
+    return -(-positions // page_tokens)
+
+
+class PagePool:
+    """`pages` pages of `page_tokens` positions; with `prefix_cache`, full prompt pages are kept for reuse."""
+
+    def __init__(self, pages: int, page_tokens: int = PAGE_TOKENS, prefix_cache: bool = True):
+        if pages < 1 or page_tokens < 1:
+            raise K2Error(f"a page pool needs at least one page of at least one position, got {pages} × {page_tokens}")
+        self.pages, self.page_tokens, self.prefix_cache = pages, page_tokens, prefix_cache
+        self.free: deque[int] = deque(range(pages))
+        self.refs = [0] * pages
+        self.key_of: dict[int, bytes] = {}  # published page -> its key
+        self.page_of: dict[bytes, int] = {}  # key -> published page
+        self.idle: OrderedDict[int, None] = OrderedDict()  # published pages nobody references, oldest first
+
+    # ---- what is left ------------------------------------------------------------------------------------
+    @property
+    def available(self) -> int:
+        """Pages a sequence could take now: the free ones and the published ones nobody references."""
+        return len(self.free) + len(self.idle)
+
+    @property
+    def in_use(self) -> int:
+        """Pages some sequence references."""
+        return self.pages - self.available
+
+    # ---- prefixes ------------------------------------------------------------------------------------------
+    def match(self, tokens: list[int]) -> list[int]:
+        """The pages of the longest published prefix of `tokens`, referenced for the caller (release them with
+        the rest of its table). At most len(tokens) - 1 positions: the last prompt token is always computed, its
+        logits give the first sampled token."""
+        if not self.prefix_cache:
+            return []
+        hit: list[int] = []
+        for key in page_keys(tokens[:max(0, len(tokens) - 1)], self.page_tokens):
+            page = self.page_of.get(key)
+            if page is None:
+                break
+            hit.append(page)
+        for page in hit:
+            self._reference(page)
+        return hit
+
+    def publish(self, page: int, key: bytes) -> None:
+        """A page now full of the positions `key` names (its latents written): other sequences may reuse it. A key
+        already published keeps its page (two sequences prefilled the same prefix at once: the first wins)."""
+        if self.prefix_cache and key not in self.page_of and page not in self.key_of:
+            self.page_of[key], self.key_of[page] = page, key
+
+    # ---- taking and giving back ----------------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int] | None:
+        """n pages for one sequence (free ones first, then the least recently used idle ones, unpublished), or
+        None, taking nothing, when fewer than n are available."""
+        if n > self.available:
+            return None
+        out = []
+        for _ in range(n):
+            if self.free:
+                page = self.free.popleft()
+            else:
+                page, _ = self.idle.popitem(last=False)
+                del self.page_of[self.key_of.pop(page)]
+            self.refs[page] = 1
+            out.append(page)
+        return out
+
+    def release(self, table: list[int]) -> None:
+        """A sequence ends (finished, cancelled or preempted): each of its pages loses one reference; a published
+        page nobody references stays reusable until evicted, any other goes back to the free list."""
+        for page in table:
+            if self.refs[page] < 1:
+                raise K2Error(f"page {page} released more often than it was taken")
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                if page in self.key_of:
+                    self.idle[page] = None
+                else:
+                    self.free.append(page)
+
+    def _reference(self, page: int) -> None:
+        if self.refs[page] == 0:
+            self.idle.pop(page, None)
+        self.refs[page] += 1
+
+
+def cache_rows(table: list[int], positions: np.ndarray, page_tokens: int = PAGE_TOKENS) -> np.ndarray:
+    """The flat pool rows (page × page_tokens + offset) of a sequence's positions, through its page table."""
+    positions = np.asarray(positions, dtype=np.int64)
+    if positions.size and positions.max() >= len(table) * page_tokens:
+        raise K2Error(f"position {int(positions.max())} is past the {len(table)} pages of the sequence's table")
+    return np.asarray(table, dtype=np.int64)[positions // page_tokens] * page_tokens + positions % page_tokens
