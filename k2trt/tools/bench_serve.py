@@ -9,6 +9,8 @@ the speed-up of the highest concurrency over sequential requests (concurrency 1)
 `--structured` measures what decoding under a grammar costs: every level runs twice over the chat API, the same
 requests plain and with a response_format json_schema (every step of every request masked by its grammar), and
 the table adds the structured run's output tokens/s and inter-token latency as ratios of the plain run's.
+
+`--scenario multi-turn` and `--scenario shared-prefix` measure prefix reuse instead: k2trt/tools/serve_scenarios.py.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 from k2trt.args import at_least, int_list
 from k2trt.errors import K2Error
 from k2trt.hub import model_dir
+from k2trt.tools.serve_scenarios import SCENARIOS, run_scenario
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,6 +48,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens generated per request (default 32; at least 2, for an inter-token latency)")
     p.add_argument("--structured", action="store_true",
                    help="also run each level under a json_schema grammar, and report its cost against plain requests")
+    p.add_argument("--scenario", choices=SCENARIOS, default=None,
+                   help="instead of the concurrency levels: a conversation resent every turn (multi-turn), or "
+                        "--requests requests sharing a prefix (shared-prefix), each against a control of the same "
+                        "length that shares nothing")
+    p.add_argument("--turns", type=at_least(1), default=10, help="multi-turn: turns of the conversation (default 10)")
+    p.add_argument("--turn-tokens", type=at_least(1), default=200,
+                   help="multi-turn: new tokens per turn; shared-prefix: each request's own suffix (default 200)")
+    p.add_argument("--prefix-tokens", type=at_least(1), default=2000,
+                   help="shared-prefix: tokens the requests share (default 2000)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
@@ -248,6 +260,8 @@ def run(args) -> int:
         card = models[0]
         model = args.served_model_name or card["id"]
         vocab = _vocab(args) or 1000
+        if args.scenario:
+            return _print_scenario(args, run_scenario(url, model, vocab, args))
         work = bodies(model, args.requests, args.prompt_len, args.max_tokens, vocab)
         kinds = {"plain": work}
         if args.structured:  # like with like: both over the chat API
@@ -274,6 +288,17 @@ def run(args) -> int:
                           **({"grammar_cost": grammar} if grammar else {})}))
     else:
         print(render(levels, speedup))
+    return 0
+
+
+def _print_scenario(args, pairs) -> int:
+    from k2trt.tools.serve_scenarios import render as render_scenario
+
+    if args.json:
+        print(json.dumps({"scenario": args.scenario, "requests": [p.row() for p in pairs],
+                          "last_ttft_ratio": round(pairs[-1].ratio, 3)}))
+    else:
+        print(render_scenario(args.scenario, pairs))
     return 0
 
 

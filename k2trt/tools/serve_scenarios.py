@@ -1,0 +1,135 @@
+"""`k2trt bench-serve --scenario multi-turn | shared-prefix`: what a prefix cache is for, measured against a live
+server (issue 23). Each timed request has a control of the same length in the same run that shares nothing with
+what came before (its first token differs), so the ratio of their times to first token is what reuse saves,
+whatever the machine's speed; with no prefix cache the ratio is about 1.
+
+- multi-turn: one conversation of --turns turns, as an agent sends it: each turn's prompt is the previous turn's
+  prompt, a reply and --turn-tokens new tokens (the reply is --max-tokens fixed ids, not the generated ones, so the
+  prompts are the same in every run).
+- shared-prefix: --requests requests that share a --prefix-tokens prefix, each with its own --turn-tokens suffix,
+  sent one after another after one request has warmed the prefix.
+
+The server's `usage.prompt_tokens_details.cached_tokens` is reported where it answers one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass
+
+from k2trt.errors import K2Error
+
+SCENARIOS = ("multi-turn", "shared-prefix")
+
+
+@dataclass
+class Timed:
+    prompt_tokens: int
+    ttft_s: float
+    cached_tokens: int | None
+
+
+@dataclass
+class Pair:
+    label: str
+    reused: Timed  # the request whose prefix came before
+    control: Timed  # the same length, sharing nothing
+
+    @property
+    def ratio(self) -> float:
+        return self.reused.ttft_s / self.control.ttft_s
+
+    def row(self) -> dict:
+        return {"request": self.label, "prompt_tokens": self.reused.prompt_tokens,
+                "cached_tokens": self.reused.cached_tokens, "ttft_ms": round(1000 * self.reused.ttft_s, 1),
+                "control_ttft_ms": round(1000 * self.control.ttft_s, 1), "ttft_ratio": round(self.ratio, 3)}
+
+
+async def timed_completion(client, url: str, model: str, prompt: list[int], max_tokens: int) -> Timed:
+    """One streamed completion of token ids: the time to its first text, and the cached tokens its usage names."""
+    import json
+
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0, first, cached = time.perf_counter(), None, None
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise K2Error(f"the server answered {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+            if first is None and chunk.get("choices") and chunk["choices"][0].get("text"):
+                first = time.perf_counter()
+    if first is None:
+        raise K2Error("a request streamed no text")
+    return Timed(len(prompt), first - t0, cached)
+
+
+def _control(prompt: list[int], rng: random.Random, vocab: int) -> list[int]:
+    """Random ids of the same length whose first differs from the prompt's: no prefix in common with anything."""
+    out = [rng.randrange(vocab) for _ in prompt]
+    out[0] = (prompt[0] + 1) % vocab
+    return out
+
+
+async def multi_turn(client, url: str, model: str, vocab: int, turns: int, turn_tokens: int,
+                     max_tokens: int) -> list[Pair]:
+    rng = random.Random(2)
+    prompt: list[int] = []
+    pairs = []
+    for turn in range(1, turns + 1):
+        if turn > 1:
+            prompt += [rng.randrange(vocab) for _ in range(max_tokens)]  # the reply, as the next turn resends it
+        prompt += [rng.randrange(vocab) for _ in range(turn_tokens)]
+        reused = await timed_completion(client, url, model, prompt, max_tokens)
+        control = await timed_completion(client, url, model, _control(prompt, rng, vocab), max_tokens)
+        pairs.append(Pair(f"turn {turn}", reused, control))
+    return pairs
+
+
+async def shared_prefix(client, url: str, model: str, vocab: int, requests: int, prefix_tokens: int,
+                        turn_tokens: int, max_tokens: int) -> list[Pair]:
+    rng = random.Random(3)
+    prefix = [rng.randrange(vocab) for _ in range(prefix_tokens)]
+    await timed_completion(client, url, model, prefix + [rng.randrange(vocab) for _ in range(turn_tokens)],
+                           max_tokens)  # the first user of the prefix pays for it
+    pairs = []
+    for i in range(1, requests + 1):
+        prompt = prefix + [rng.randrange(vocab) for _ in range(turn_tokens)]
+        reused = await timed_completion(client, url, model, prompt, max_tokens)
+        control = await timed_completion(client, url, model, _control(prompt, rng, vocab), max_tokens)
+        pairs.append(Pair(f"request {i}", reused, control))
+    return pairs
+
+
+def run_scenario(url: str, model: str, vocab: int, args) -> list[Pair]:
+    import httpx
+
+    async def main():
+        async with httpx.AsyncClient(timeout=600) as client:
+            await timed_completion(client, url, model, [1, 2, 3, 4], 2)  # warm-up
+            if args.scenario == "multi-turn":
+                return await multi_turn(client, url, model, vocab, args.turns, args.turn_tokens, args.max_tokens)
+            return await shared_prefix(client, url, model, vocab, args.requests, args.prefix_tokens,
+                                       args.turn_tokens, args.max_tokens)
+
+    return asyncio.run(main())
+
+
+def render(scenario: str, pairs: list[Pair]) -> str:
+    cols = ["request", "prompt_tokens", "cached_tokens", "ttft_ms", "control_ttft_ms", "ttft_ratio"]
+    heads = ["request", "prompt tokens", "cached", "TTFT ms", "control TTFT ms", "TTFT ratio"]
+    cells = [heads] + [["-" if r[c] is None else str(r[c]) for c in cols] for r in (p.row() for p in pairs)]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
+    lines = ["  ".join(x.rjust(w) for x, w in zip(c, widths)) for c in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    last = pairs[-1]
+    lines.append(f"{scenario}: the last request's time to first token is {last.ratio:.2f}x its control's "
+                 f"({last.reused.prompt_tokens} prompt tokens, "
+                 f"{'none' if last.reused.cached_tokens is None else last.reused.cached_tokens} reported cached)")
+    return "\n".join(lines)
