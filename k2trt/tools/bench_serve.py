@@ -31,6 +31,7 @@ from k2trt.args import at_least, int_list
 from k2trt.errors import K2Error
 from k2trt.hub import model_dir
 from k2trt.tools.serve_scenarios import SCENARIOS, run_scenario
+from k2trt.tools.sse_client import stream_chunks
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -106,19 +107,12 @@ def percentile(values: list[float], q: float) -> float:
 async def one_request(client, url: str, body: dict) -> Sample:
     t0 = time.perf_counter()
     times, tokens = [], 0
-    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    async with client.stream("POST", url + path, json=body) as r:
-        if r.status_code != 200:
-            raise K2Error(f"the server answered {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            choice = chunk["choices"][0] if chunk.get("choices") else {}
-            if choice.get("text") or (choice.get("delta") or {}).get("content"):
-                times.append(time.perf_counter())
+    async for chunk in stream_chunks(client, url, body):
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+        choice = chunk["choices"][0] if chunk.get("choices") else {}
+        if choice.get("text") or (choice.get("delta") or {}).get("content"):
+            times.append(time.perf_counter())
     if not times:
         raise K2Error("a request streamed no text")
     return Sample(times[0] - t0, [b - a for a, b in zip(times, times[1:])], tokens)

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from k2trt.errors import K2Error
+from k2trt.tools.sse_client import stream_chunks
 
 SCENARIOS = ("multi-turn", "shared-prefix")
 
@@ -49,22 +50,14 @@ class Pair:
 
 async def timed_completion(client, url: str, model: str, prompt: list[int], max_tokens: int) -> Timed:
     """One streamed completion of token ids: the time to its first text, and the cached tokens its usage names."""
-    import json
-
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     t0, first, cached = time.perf_counter(), None, None
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise K2Error(f"the server answered {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
-            if first is None and chunk.get("choices") and chunk["choices"][0].get("text"):
-                first = time.perf_counter()
+    async for chunk in stream_chunks(client, url, body):
+        if chunk.get("usage"):
+            cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+        if first is None and chunk.get("choices") and chunk["choices"][0].get("text"):
+            first = time.perf_counter()
     if first is None:
         raise K2Error("a request streamed no text")
     return Timed(len(prompt), first - t0, cached)
