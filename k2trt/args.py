@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit value
@@ -71,6 +72,53 @@ def int_list(low: int = 1) -> Callable[[str], list[int]]:
 
     return checked(parse, problem, "comma-separated integers")
 
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def _byte_count(text: str) -> int:
+    """Bytes as a number and an optional unit: 4GiB, 512MiB, 1.5G, 1e9, 1000000 (k/M/G/T: powers of 1000)."""
+    t = text.strip().lower().removesuffix("b")
+    number = t.rstrip("kmgti")
+    unit = t[len(number):]
+    if unit not in _UNITS or not number:
+        raise ValueError(text)
+    try:
+        return int(float(number) * _UNITS[unit])
+    except OverflowError:  # inf
+        raise ValueError(text) from None
+
+
+@dataclass(frozen=True)
+class FreeShare:
+    """A share of the device's free memory (`90%`), made bytes once the device is known (as vLLM's
+    --gpu-memory-utilization, but of what is free when the model has loaded)."""
+    fraction: float
+
+    def of(self, free_bytes: int) -> int:
+        return int(free_bytes * self.fraction)
+
+    def __str__(self) -> str:
+        return f"{self.fraction * 100:g}%"
+
+
+def _size_or_share(text: str) -> int | FreeShare:
+    t = text.strip()
+    if t.endswith("%"):
+        return FreeShare(float(t[:-1]) / 100)
+    return _byte_count(t)
+
+
+def _size_or_share_problem(v: int | FreeShare) -> str | None:
+    if isinstance(v, FreeShare):
+        return None if 0 < v.fraction <= 1 else f"must be a share in (0%, 100%] of free memory, got {v}"
+    return None if v > 0 else f"must be > 0 bytes, got {v}"
+
+
+# An argparse type: a size in bytes (> 0), or a share of the device's free memory ("90%").
+memory_size = checked(_size_or_share, _size_or_share_problem, "a size in bytes (e.g. 8GiB) or a share of free memory "
+                      "(e.g. 90%)")
 
 seed = int_in(0, MAX_SEED)
 port = int_in(0, 65535)

@@ -25,7 +25,7 @@ from k2trt.runtime.generation.limits import Limits
 from k2trt.runtime.generation.sampling import SamplingParams
 from k2trt.runtime.generation.scheduler import Request, Scheduler
 from k2trt.runtime.text.text_stream import StopRules
-from test_scheduler import FakeExecutor, alone
+from test_scheduler import PREFIXES, FakeExecutor, alone
 
 TINY = K2Config.preset("tiny")
 
@@ -171,31 +171,38 @@ class ColumnsExecutor:
         self.ranks = [FakeExecutor() for _ in range(ranks)]
         self.busiest = 0
 
+    def admits(self, reuses=None, resume=None):
+        return self.columns.admits(reuses, resume)
+
     def run(self, plan):
         plans = self.columns.split(plan)
         assert sum(p.batch for p in plans) == plan.batch
         ids = [r.run(p) for r, p in zip(self.ranks, plans)]
-        self.busiest = max(self.busiest, *(len(r.cache) for r in self.ranks))
+        self.busiest = max(self.busiest, *(len(r.params) for r in self.ranks))
         return self.columns.merge(plan, ids) if plan.tokens else []
 
 
-submit = st.tuples(st.lists(st.integers(0, 15), min_size=1, max_size=12), st.integers(1, 8), st.integers(0, 3),
-                   st.sets(st.integers(0, 15), max_size=2), st.booleans())
+submit = st.tuples(st.sampled_from(PREFIXES), st.lists(st.integers(0, 15), min_size=1, max_size=12),
+                   st.integers(1, 8), st.integers(0, 3), st.sets(st.integers(0, 15), max_size=2), st.booleans())
 
 
 @settings(max_examples=150, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(requests=st.lists(submit, min_size=1, max_size=14), ranks=st.integers(2, 4), max_batch=st.integers(1, 6),
-       chunk=st.sampled_from([1, 4, 32]), seed=st.integers(0, 1000))
-def test_each_rank_keeps_its_sequences_in_the_schedulers_order(requests, ranks, max_batch, chunk, seed):
-    """Requests come, stop, are cancelled; every rank's steps are contiguous ranges of its own slots holding the
-    right sequences (the fake executor asserts it), every request gets the tokens it gets alone, and admission
-    keeps the ranks balanced."""
+       chunk=st.sampled_from([1, 4, 32]), seed=st.integers(0, 1000), small_pool=st.booleans())
+def test_each_rank_keeps_its_sequences_in_the_schedulers_order(requests, ranks, max_batch, chunk, seed, small_pool):
+    """Requests come, stop, are cancelled, share prefixes and (with a small pool) are preempted; every rank's steps
+    are contiguous ranges of its own slots holding the right sequences, every sequence reads only pages its own
+    rank wrote (each fake rank has its own rows: a prefix reused from another rank is a KeyError), every request
+    gets the tokens it gets alone, and no rank ever holds more than its max_batch sequences."""
     rng = random.Random(seed)
     executor = ColumnsExecutor(ranks, max_batch)
-    sched = Scheduler(executor, TINY, Limits(max_context=64, max_batch=max_batch * ranks, prefill_chunk=chunk))
+    pages = max(max_batch * ranks, 6) * 2 if small_pool else 0  # 4-position pages: 9 hold the longest alone
+    sched = Scheduler(executor, TINY, Limits(max_context=64, max_batch=max_batch * ranks, prefill_chunk=chunk,
+                                             cache_pages=pages, page_tokens=4))
     reqs = []
-    for prompt, max_new, s, stops, cancel in requests:
+    for prefix, tail, max_new, s, stops, cancel in requests:
+        prompt = prefix + tail
         req = sched.submit(Request(prompt, max_new, SamplingParams(seed=s), StopRules(ids=frozenset(stops)),
                                    on_finish=lambda r, t: None))
         reqs.append((req, cancel))

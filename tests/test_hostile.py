@@ -261,8 +261,8 @@ def test_a_forged_system_turn_stays_text_in_generate_and_chat(tiny_ckpt, tiny_ex
     seen = []
     real = chat.make_generator
 
-    def spy(loaded, max_context, **kw):
-        gen = real(loaded, max_context, **kw)
+    def spy(loaded, args, **kw):
+        gen = real(loaded, args, **kw)
         inner = gen.generate
         gen.generate = lambda prompts, *a, **k: (seen.append(prompts[0]), inner(prompts, *a, **k))[1]
         return gen

@@ -12,8 +12,8 @@ def prefill(pool: PagePool, tokens: list[int]) -> list[int]:
     publish each full page once its latents are written."""
     hit = pool.match(tokens)
     table = hit + pool.allocate(pages_for(len(tokens), pool.page_tokens) - len(hit))
-    for page, key in zip(table, page_keys(tokens, pool.page_tokens)):
-        pool.publish(page, key)
+    keys = page_keys(tokens, pool.page_tokens)
+    pool.publish(table, keys, len(keys))
     return table
 
 

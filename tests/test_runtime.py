@@ -194,8 +194,8 @@ def test_chat_keeps_history_and_resets(tiny_ckpt, tiny_export, capsys, monkeypat
     seen = []
     real = chat.make_generator
 
-    def spy(loaded, max_context, **kw):
-        gen = real(loaded, max_context, **kw)
+    def spy(loaded, args, **kw):
+        gen = real(loaded, args, **kw)
         inner = gen.generate
 
         def generate(prompts, *a, **k):
@@ -223,8 +223,8 @@ def test_chat_stop_ends_the_reply_and_the_history_keeps_it_cut(tiny_ckpt, tiny_e
         prompts = []
         real = chat.make_generator
 
-        def spy(loaded, max_context, **kw):
-            gen = real(loaded, max_context, **kw)
+        def spy(loaded, args, **kw):
+            gen = real(loaded, args, **kw)
             inner = gen.generate
             gen.generate = lambda ps, *a, **k: (prompts.append(loaded.tokenizer.decode(ps[0])), inner(ps, *a, **k))[1]
             return gen

@@ -23,7 +23,12 @@ def ragged_plans(n: int):
         lengths = [rnd.randint(1, 9) for _ in range(b)]
         starts = [rnd.randint(0, cap - n) for n in lengths]
         tokens = [[rnd.randint(0, 99) for _ in range(n)] for n in lengths]
-        yield StepPlan(first=first, tokens=tokens, starts=starts, sample=[True] * b, rows=first + b, capacity=cap)
+        # each sequence's pages: distinct, in any order, at least enough for what it writes (sometimes more)
+        pt = rnd.choice([4, 8, 64])
+        pages = rnd.sample(range(200), 200)
+        tables = [[pages.pop() for _ in range(-(-(s + n) // pt) + rnd.randint(0, 2))] for s, n in zip(starts, lengths)]
+        yield StepPlan(first=first, tokens=tokens, starts=starts, sample=[True] * b, rows=first + b, capacity=cap,
+                       tables=tables, page_tokens=pt)
 
 
 def test_step_tensors_follow_their_definitions_on_ragged_plans():
@@ -41,8 +46,15 @@ def test_step_tensors_follow_their_definitions_on_ragged_plans():
         cos, sin = rope_tables(CFG, positions)
         assert torch.allclose(st.rope_cos, cos, atol=1e-6) and torch.allclose(st.rope_sin, sin, atol=1e-6)
         assert st.input_ids.tolist() == [x + [0] * (t - len(x)) for x in plan.tokens]
-        assert st.cache_rows.tolist() == [(plan.first + i) * cap + s + j for i, (s, x) in
-                                          enumerate(zip(plan.starts, plan.tokens)) for j in range(len(x))]
+        pt = plan.page_tokens
+
+        def row(table, p):
+            return table[p // pt] * pt + p % pt
+
+        assert st.cache_rows.tolist() == [row(table, s + j) for table, s, x in
+                                          zip(plan.tables, plan.starts, plan.tokens) for j in range(len(x))]
+        assert st.gather_rows.tolist() == [[row(table, p) if p < len(table) * pt else 0 for p in range(cap)]
+                                           for table in plan.tables]
         assert st.last.tolist() == [len(x) - 1 for x in plan.tokens]
 
 
@@ -63,7 +75,7 @@ def test_batched_greedy_picks_what_each_sampler_would():
               SamplingParams(temperature=1.0, top_k=5, seed=4), SamplingParams(), SamplingParams()]
     ex = StageExecutor(_Head(logits), CFG, layers=[])
     plan = StepPlan(first=0, tokens=[[1]] * 6, starts=[0] * 6, sample=[True] * 6, rows=6, capacity=16,
-                    ops=[Admit(i, p) for i, p in enumerate(params)])
+                    ops=[Admit(i, p) for i, p in enumerate(params)], tables=[[i] for i in range(6)])
     ex.apply(plan)
     st = step_tensors(plan, ex.rope, "cpu", torch.float32)
     got = ex.sample(plan, st, torch.zeros(6, 1, CFG.hidden_size))
@@ -71,9 +83,10 @@ def test_batched_greedy_picks_what_each_sampler_would():
     assert got == expect
 
 
-def test_prefill_masks_stay_in_budget_beside_a_long_conversation():
-    """A step's mask is B x T x (P + T) with P the cache's capacity, which a long request decoding beside fresh
-    prompts sets: the fresh prompts' chunks shrink with it, so every prefill step stays within the budget."""
+def test_prefill_masks_stay_in_budget_and_span_only_their_own_sequences():
+    """A step's mask is B x T x (P + T), P what the step's own sequences hold and write (each step gathers its own
+    sequences' pages): fresh prompts prefilling beside a long conversation are not widened by it, and every
+    prefill step stays within the budget."""
     from k2trt.runtime.generation.limits import Limits
     from k2trt.runtime.generation.scheduler import Request, Scheduler
 
@@ -95,6 +108,8 @@ def test_prefill_masks_stay_in_budget_beside_a_long_conversation():
     sched.run_until_idle()
     assert all(r.finish_reason == "length" for r in [conversation, *fresh])
     prefills = [p for p in executor.plans if p.width > 1]
-    assert any(p.capacity >= 4000 and p.batch == 4 for p in prefills)  # the fresh prompts beside the conversation
+    beside = [p for p in prefills if p.batch == 4]  # the fresh prompts, while the conversation decodes
+    assert beside and all(p.capacity <= 512 for p in beside)
+    assert any(p.capacity >= 4000 for p in executor.plans)  # the conversation's own steps
     for p in prefills:
         assert p.batch * p.width * (p.capacity + p.width) <= budget, (p.batch, p.width, p.capacity)

@@ -1031,10 +1031,12 @@ def test_context_checks_every_binding_and_its_alignment():
 
 def test_odd_max_seq_gives_aligned_cache_slots():
     """--max-seq 4095: the runtime's capacity is rounded to 4096 (cache.bucket, steps of 16 positions), the engines'
-    P range reaches it, and every slot view of a K2-wide bf16 latent cache starts 256-byte aligned; an unrounded
-    4095 would put odd slots 128 bytes off (4095 x 576 x 2 = 128 mod 256)."""
+    P range reaches it, every page of a K2-wide bf16 paged latent cache starts 256-byte aligned (64 x 576 x 2 bytes
+    a page), and a step's cache, gathered through its page tables, is one contiguous [B, P, 576] tensor of its own,
+    whose base the allocator aligns; an unrounded 4095 would put odd sequences of a shared tensor 128 bytes off
+    (4095 x 576 x 2 = 128 mod 256)."""
     from k2trt.runtime.backends.contract import CAPACITY_MULTIPLE
-    from k2trt.runtime.generation.cache import LatentCache, bucket
+    from k2trt.runtime.generation.cache import PagedLatentCache, bucket
 
     spec = ProfileSpec(max_seq=4095, opt_seq=1024)
     assert spec.max_capacity == 4096 and spec.dim_ranges("decode")["P"] == (1, 1024, 4096)
@@ -1045,11 +1047,16 @@ def test_odd_max_seq_gives_aligned_cache_slots():
         capacity = bucket(needed, 4095)
         assert capacity % CAPACITY_MULTIPLE == 0 and needed <= capacity <= spec.max_capacity
     assert bucket(3, 8, minimum=1) == 4  # slot counts keep their own steps
-    cache = LatentCache([0], 576, torch.bfloat16)
-    cache.resize(3, bucket(4095, 4095))
-    base = cache.tensors[0].data_ptr()
-    for first in range(3):
-        assert (cache.view(0, first, 1).data_ptr() - base) % 256 == 0
+    cache = PagedLatentCache([0], 576, torch.bfloat16)
+    cache.reserve(70)
+    pool = cache.tensors[0]
+    assert all((pool[q * cache.page_tokens].data_ptr() - pool.data_ptr()) % 256 == 0 for q in range(cache.pages))
+    rows = torch.arange(3 * 4096).reshape(3, 4096) % (cache.pages * cache.page_tokens)
+    step = cache.gather(0, rows)
+    assert step.shape == (3, 4096, 576) and step.is_contiguous() and step.data_ptr() != pool.data_ptr()
+    assert torch.equal(step[1, 5], pool[rows[1, 5]])
+    # the same buffer for every layer and step of the same B and P: a decode CUDA graph keeps its cache address
+    assert cache.gather(0, rows.flip(0)).data_ptr() == step.data_ptr()
     assert (4095 * 576 * 2) % 256 == 128
 
 

@@ -10,7 +10,8 @@ the speed-up of the highest concurrency over sequential requests (concurrency 1)
 requests plain and with a response_format json_schema (every step of every request masked by its grammar), and
 the table adds the structured run's output tokens/s and inter-token latency as ratios of the plain run's.
 
-`--scenario multi-turn` and `--scenario shared-prefix` measure prefix reuse instead: k2trt/tools/serve_scenarios.py.
+`--scenario multi-turn` and `--scenario shared-prefix` measure prefix reuse instead, `--scenario long-and-short`
+what the paged cache holds: k2trt/tools/serve_scenarios.py.
 """
 
 from __future__ import annotations
@@ -52,12 +53,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", choices=SCENARIOS, default=None,
                    help="instead of the concurrency levels: a conversation resent every turn (multi-turn), or "
                         "--requests requests sharing a prefix (shared-prefix), each against a control of the same "
-                        "length that shares nothing")
+                        "length that shares nothing; or the paged cache's peak for one long sequence beside "
+                        "--requests - 1 short ones (long-and-short)")
     p.add_argument("--turns", type=at_least(1), default=10, help="multi-turn: turns of the conversation (default 10)")
     p.add_argument("--turn-tokens", type=at_least(1), default=200,
-                   help="multi-turn: new tokens per turn; shared-prefix: each request's own suffix (default 200)")
+                   help="multi-turn: new tokens per turn; shared-prefix: each request's own suffix; long-and-short: "
+                        "the short prompts (default 200)")
     p.add_argument("--prefix-tokens", type=at_least(1), default=2000,
-                   help="shared-prefix: tokens the requests share (default 2000)")
+                   help="shared-prefix: tokens the requests share; long-and-short: the long prompt (default 2000)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
@@ -247,7 +250,8 @@ def run(args) -> int:
     levels_asked = args.concurrency
     if args.model is not None and not (args.onnx or args.engines):
         raise K2Error("give --onnx DIR or --engines DIR for the server to start")
-    server = LiveServer(serve_args(args, max(levels_asked))) if args.model is not None else None
+    slots = max(levels_asked + ([args.requests] if args.scenario == "long-and-short" else []))  # all at once
+    server = LiveServer(serve_args(args, slots)) if args.model is not None else None
     url = server.url if server else args.url.rstrip("/")
     try:
         models = httpx.get(url + "/v1/models", timeout=30).json()["data"]
@@ -286,8 +290,12 @@ def run(args) -> int:
 
 
 def _print_scenario(args, pairs) -> int:
+    from k2trt.tools.serve_scenarios import Occupancy, render_occupancy
     from k2trt.tools.serve_scenarios import render as render_scenario
 
+    if isinstance(pairs, Occupancy):
+        print(json.dumps({"scenario": args.scenario, **pairs.row()}) if args.json else render_occupancy(pairs))
+        return 0
     if args.json:
         print(json.dumps({"scenario": args.scenario, "requests": [p.row() for p in pairs],
                           "last_ttft_ratio": round(pairs[-1].ratio, 3)}))

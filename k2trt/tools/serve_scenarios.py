@@ -8,6 +8,10 @@ whatever the machine's speed; with no prefix cache the ratio is about 1.
   prompts are the same in every run).
 - shared-prefix: --requests requests that share a --prefix-tokens prefix, each with its own --turn-tokens suffix,
   sent one after another after one request has warmed the prefix.
+- long-and-short: what the paged cache holds for one long sequence (--prefix-tokens) beside --requests − 1 short
+  ones (--turn-tokens), all running at once: the most positions its pages in use spanned against the most positions
+  the sequences held (the server's high-water marks in /metrics), and what one region per slot sized to the longest
+  would hold.
 
 The server's `usage.prompt_tokens_details.cached_tokens` is reported where it answers one.
 """
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 from k2trt.errors import K2Error
 from k2trt.tools.sse_client import stream_chunks
 
-SCENARIOS = ("multi-turn", "shared-prefix")
+SCENARIOS = ("multi-turn", "shared-prefix", "long-and-short")
 
 
 @dataclass
@@ -100,7 +104,50 @@ async def shared_prefix(client, url: str, model: str, vocab: int, requests: int,
     return pairs
 
 
-def run_scenario(url: str, model: str, vocab: int, args) -> list[Pair]:
+@dataclass
+class Occupancy:
+    """The cache at its peak: the positions its pages in use span and the positions the running sequences hold
+    then; `per_slot` is what one region per slot, each the longest sequence's length, would hold."""
+    sequences: int
+    in_use: int
+    held: int
+    per_slot: int
+
+    @property
+    def ratio(self) -> float:
+        return self.in_use / self.held
+
+    def row(self) -> dict:
+        return {"sequences": self.sequences, "positions_in_use": self.in_use, "positions_held": self.held,
+                "ratio": round(self.ratio, 3), "per_slot_positions": self.per_slot,
+                "per_slot_ratio": round(self.per_slot / self.held, 3)}
+
+
+def _gauges(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("k2trt:cache_peak_positions_"):
+            name, value = line.split()
+            out[name] = float(value)
+    return out
+
+
+async def long_and_short(client, url: str, model: str, vocab: int, requests: int, long_tokens: int,
+                         short_tokens: int, max_tokens: int) -> Occupancy:
+    """All at once, each generating max_tokens: the server's high-water marks (k2trt:cache_peak_positions_*, kept
+    by its scheduler after every step) are then this scenario's, the warm-up's being far lower."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(vocab) for _ in range(long_tokens)]] + \
+        [[rng.randrange(vocab) for _ in range(short_tokens)] for _ in range(requests - 1)]
+    await asyncio.gather(*(timed_completion(client, url, model, p, max_tokens) for p in prompts))
+    g = _gauges((await client.get(url + "/metrics")).text)
+    if not g.get("k2trt:cache_peak_positions_held"):
+        raise K2Error("the server reports no k2trt:cache_peak_positions_held (not a k2trt server?)")
+    return Occupancy(requests, int(g["k2trt:cache_peak_positions_in_use"]), int(g["k2trt:cache_peak_positions_held"]),
+                     requests * (long_tokens + max_tokens))
+
+
+def run_scenario(url: str, model: str, vocab: int, args) -> list[Pair] | Occupancy:
     import httpx
 
     async def main():
@@ -108,10 +155,27 @@ def run_scenario(url: str, model: str, vocab: int, args) -> list[Pair]:
             await timed_completion(client, url, model, [1, 2, 3, 4], 2)  # warm-up
             if args.scenario == "multi-turn":
                 return await multi_turn(client, url, model, vocab, args.turns, args.turn_tokens, args.max_tokens)
+            if args.scenario == "long-and-short":
+                return await long_and_short(client, url, model, vocab, args.requests, args.prefix_tokens,
+                                            args.turn_tokens, args.max_tokens)
             return await shared_prefix(client, url, model, vocab, args.requests, args.prefix_tokens,
                                        args.turn_tokens, args.max_tokens)
 
     return asyncio.run(main())
+
+
+def render_occupancy(o: Occupancy) -> str:
+    cells = [["cache", "positions", "× held"], ["-"] * 3,
+             ["paged: pages in use at the peak", f"{o.in_use:,}", f"{o.ratio:.2f}"],
+             ["the most the sequences held", f"{o.held:,}", "1.00"],
+             ["one region per slot, each the longest", f"{o.per_slot:,}", f"{o.per_slot / o.held:.2f}"]]
+    widths = [max(len(c[i]) for c in cells) for i in range(3)]
+    lines = ["  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(c, widths)))
+             for c in cells]
+    lines[1] = "  ".join("-" * w for w in widths)
+    lines.append(f"long-and-short: 1 long + {o.sequences - 1} short sequences; the pages in use span "
+                 f"{o.ratio:.2f}x the positions held")
+    return "\n".join(lines)
 
 
 def render(scenario: str, pairs: list[Pair]) -> str:

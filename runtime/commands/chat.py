@@ -27,7 +27,7 @@ def run(args) -> int:
         raise K2Error("k2trt chat runs in one process; for pipeline stages use generate or serve (--pipeline)")
     loaded = load_model(args, command="chat")
     tok = loaded.tokenizer
-    gen = make_generator(loaded, args.max_context)
+    gen = make_generator(loaded, args)
     stops = stop_rules(tok, args)
     base = [{"role": "system", "content": args.system}] if args.system else []
     history = list(base)

@@ -195,7 +195,7 @@ def run(args) -> int:
         return 0
     tok = loaded.tokenizer
     prompts = encode_requests(tok, args, tools)
-    gen = make_generator(loaded, args.max_context)
+    gen = make_generator(loaded, args)
     # a chat's answers are split into thinking, content and tool calls; --prompt text is all text
     chats = set(range(len(args.prompt or []), len(prompts)))
     parser = (lambda: chat_parser(tok, tools)) if chats else (lambda: None)

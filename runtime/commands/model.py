@@ -7,11 +7,12 @@ steps."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from k2trt.args import at_least, int_in, int_list, positive_number
+from k2trt.args import FreeShare, at_least, int_in, int_list, memory_size, positive_number
 from k2trt.errors import K2Error
 from k2trt.hub import model_dir
 from k2trt.runtime.backends.contract import Backend
@@ -26,6 +27,13 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     add_backend_arguments(p)
     p.add_argument("--max-context", type=at_least(1), default=None,
                    help="refuse prompts + new tokens longer than this (default: the model's maximum)")
+    p.add_argument("--cache-memory", type=memory_size, default=None, metavar="SIZE",
+                   help="latent-cache memory, every layer's: bytes (e.g. 8GiB) or a share of the device's free "
+                        "memory once the model has loaded (e.g. 90%%); its pages are shared by the sequences as "
+                        "they grow (default: every slot can reach --max-context)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="compute every prompt in full (default: reuse the cached pages of a prompt's prefix "
+                        "another request computed)")
 
 
 def add_pipeline_arguments(p: argparse.ArgumentParser, micro_batch_list: bool = False) -> None:
@@ -66,18 +74,35 @@ class LoadedModel:
         """What the scheduler runs steps on: rank 0's pipeline executor, or None (a local StageExecutor)."""
         return self.session.leader if self.session is not None else None
 
-    def limits(self, max_context: int | None = None, max_batch: int | None = None):
+    def limits(self, max_context: int | None = None, max_batch: int | None = None,
+               cache_memory: int | FreeShare | None = None):
         """The scheduler's limits: the model's, the user's and the backend's, resolved once. E expert-parallel
-        ranks hold E times the sequences one backend takes (each its own)."""
+        ranks hold E times the sequences one backend takes (each its own). cache_memory: bytes of latent cache
+        (every layer's), a share of the device's free memory, or None for the default pool."""
         from k2trt.runtime.generation.limits import Limits
 
         backend = self.backend.limits
         columns = self.session.layout.expert_parallel if self.session is not None else 1
         if backend.max_batch and columns > 1:
             backend = replace(backend, max_batch=backend.max_batch * columns)
-        return Limits.resolve(self.config, backend, max_context=max_context, max_batch=max_batch)
+        pages = None
+        if cache_memory is not None:
+            from k2trt.runtime.generation.pages import PAGE_TOKENS, page_bytes
 
-    def scheduler(self, limits):
+            if isinstance(cache_memory, FreeShare):
+                free = free_memory(self.backend.device)
+                asked, cache_memory = f"{cache_memory} of {free:,} free bytes", cache_memory.of(free)
+            else:
+                asked = f"{cache_memory:,} bytes"
+            size = page_bytes(self.config, self.backend.act_dtype, PAGE_TOKENS)
+            pages = cache_memory // size
+            want = Limits.resolve(self.config, backend, max_context=max_context, max_batch=max_batch).max_batch
+            if pages < want:
+                raise K2Error(f"--cache-memory {asked} holds {pages} pages of {size:,} bytes; "
+                              f"{want} slots need at least {want * size:,} bytes (one page each)")
+        return Limits.resolve(self.config, backend, max_context=max_context, max_batch=max_batch, cache_pages=pages)
+
+    def scheduler(self, limits, prefix_cache: bool = True):
         """A scheduler over this model: its steps run here (one process) or down rank 0's pipeline — with several
         micro-batches in flight, M schedulers behind one (runtime/distributed/micro_batches.py)."""
         from k2trt.runtime.generation.executor import StageExecutor
@@ -86,8 +111,8 @@ class LoadedModel:
         if self.micro_batches > 1 and self.executor is not None:
             from k2trt.runtime.distributed.micro_batches import MicroBatchScheduler
 
-            return MicroBatchScheduler(self.executor, self.config, limits, self.micro_batches)
-        return Scheduler(self.executor or StageExecutor(self.backend, self.config), self.config, limits)
+            return MicroBatchScheduler(self.executor, self.config, limits, self.micro_batches, prefix_cache)
+        return Scheduler(self.executor or StageExecutor(self.backend, self.config), self.config, limits, prefix_cache)
 
     @property
     def follower(self) -> bool:
@@ -172,10 +197,28 @@ def launch_if_asked(args) -> int | None:
     return run_pipeline(args.argv, (stages or 1) * (experts or 1))
 
 
-def make_generator(loaded: LoadedModel, max_context: int | None):
-    """A static batch through the scheduler (generate, chat)."""
+def free_memory(device) -> int:
+    """Bytes the device has free: the GPU's (cudaMemGetInfo), or on a CPU the memory the kernel says is available
+    without swapping (MemAvailable)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        return kib * 1024
+    except (OSError, StopIteration, ValueError):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def make_generator(loaded: LoadedModel, args):
+    """A static batch through the scheduler (generate; chat, whose every turn resends the conversation: the prefix
+    cache gives it the last turn's pages)."""
     from k2trt.runtime.generation.generator import Generator
 
-    limits = loaded.limits(max_context)
-    return Generator(loaded.backend, loaded.config, limits, executor=loaded.executor,
-                     scheduler=loaded.scheduler(limits) if loaded.micro_batches > 1 else None)
+    limits = loaded.limits(args.max_context, cache_memory=args.cache_memory)
+    scheduler = loaded.scheduler(limits, prefix_cache=args.prefix_cache)
+    return Generator(loaded.backend, loaded.config, limits, executor=getattr(scheduler, "executor", loaded.executor),
+                     scheduler=scheduler)

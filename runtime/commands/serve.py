@@ -1,5 +1,5 @@
 """`k2trt serve --model DIR (--onnx DIR | --engines DIR) [--host 127.0.0.1 --port 8000] [--max-batch N]
-[--max-context N] [--pipeline N]`: an OpenAI-compatible server with continuous batching (runtime/serve/app.py).
+[--max-context N] [--cache-memory SIZE] [--no-prefix-cache] [--pipeline N]`: an OpenAI-compatible server with continuous batching (runtime/serve/app.py).
 
 The model loads as for generate (one process, or pipeline stages with rank 0 serving HTTP), the scheduler runs in
 a thread of its own (serve/scheduler_thread.py), uvicorn serves. SIGTERM or ^C stops taking requests, lets those
@@ -73,7 +73,8 @@ def make_server(args, loaded):
     from k2trt.runtime.serve.scheduler_thread import SchedulerThread
     from k2trt.runtime.serve.serving import ServeConfig, Serving
 
-    scheduler = loaded.scheduler(loaded.limits(args.max_context, args.max_batch))
+    limits = loaded.limits(args.max_context, args.max_batch, cache_memory=args.cache_memory)
+    scheduler = loaded.scheduler(limits, prefix_cache=args.prefix_cache)
     server_box = []
     keepalive = min(10.0, (args.dist_timeout or DEFAULT_TIMEOUT_S) / 4)  # idle pipeline stages must hear from us
     scheduler_thread = SchedulerThread(scheduler, max_waiting=args.max_queue, keepalive_s=keepalive,

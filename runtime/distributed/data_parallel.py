@@ -1,9 +1,11 @@
 """Data-parallel attention under expert parallelism: which expert-parallel rank holds each sequence, and each step's
 plan for every rank.
 
-The scheduler plans one step over a contiguous range of its slots, as for one process. Each sequence is held by one
-of the E ranks from its admission to its end (the least loaded, the lowest on a tie): that rank keeps its latent
-cache (at every pipeline stage of its column) and its sampler. A rank's own slots keep the scheduler's order of its
+The scheduler plans one step over a contiguous range of its slots, as for one process, and asks before each
+admission whether the rank it would go to has room (`ColumnPlans.admits`). Each sequence is held by one
+of the E ranks from its admission to its end (the least loaded, the lowest on a tie; the rank holding the cached
+prefix it reuses, when it reuses one; the rank it left, when it resumes after preemption): that rank keeps its
+latent cache pages (at every pipeline stage of its column) and its sampler. A rank's own slots keep the scheduler's order of its
 sequences, so the scheduler's contiguous range is a contiguous range on every rank, and a slot operation of the
 scheduler becomes the rank's own moves (a sequence never changes rank). `ColumnPlans.split` turns a plan into one
 plan per rank and `merge` puts their sampled ids back in the scheduler's order.
@@ -11,11 +13,12 @@ plan per rank and `merge` puts their sampled ids back in the scheduler's order.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from k2trt.runtime.generation.cache import bucket
 from k2trt.runtime.generation.sampling import SamplingParams
-from k2trt.runtime.generation.step import Admit, Move, Release, SlotOp, StepPlan, Swap
+from k2trt.runtime.generation.step import Admit, Drop, Move, Park, Release, SlotOp, StepPlan, Swap
 
 
 @dataclass(eq=False)
@@ -23,6 +26,7 @@ class Held:
     """A sequence as the ranks see it: the rank holding it."""
     rank: int
     sampling: SamplingParams
+    key: int | None = None  # set while it is parked (preempted), and on the Admit that resumes it
 
 
 @dataclass
@@ -39,7 +43,7 @@ def local_ops(old: list[Held | None], new: list[Held], admitted: set) -> list[Sl
     cur = list(old) + [None] * max(0, len(new) - len(old))
     for j, h in enumerate(cur):
         if h is not None and id(h) not in keep:
-            ops.append(Release(j))
+            ops.append(Park(j, h.key) if h.key is not None else Release(j))
             cur[j] = None
     for i, h in enumerate(new):
         if h in admitted:
@@ -48,7 +52,7 @@ def local_ops(old: list[Held | None], new: list[Held], admitted: set) -> list[Sl
         if j != i:
             ops.append(Move(j, i) if cur[i] is None else Swap(i, j))
             cur[i], cur[j] = h, cur[i]
-    ops += [Admit(i, h.sampling) for i, h in enumerate(new) if h in admitted]
+    ops += [Admit(i, h.sampling, resume=h.key) for i, h in enumerate(new) if h in admitted]
     return ops
 
 
@@ -59,19 +63,61 @@ class ColumnPlans:
         self.ranks, self.max_batch = ranks, max_batch
         self.slots: list[Held | None] = []  # the scheduler's slots
         self.per_rank = [RankSlots() for _ in range(ranks)]
+        self.parked: dict[int, Held] = {}  # preempted sequences, by key
+        self.page_rank: dict[int, int] = {}  # the rank that last wrote each page
+        self.drops: list[list[SlotOp]] = [[] for _ in range(ranks)]  # parked samplers to drop, per rank
+        self.promised: deque[int] = deque()  # the rank of each admission agreed (`admits`), not yet applied
+
+    def _load(self, rank: int) -> int:
+        return sum(1 for h in self.slots if h is not None and h.rank == rank) + self.promised.count(rank)
+
+    def admits(self, reuses: int | None = None, resume: int | None = None) -> bool:
+        """Whether the scheduler may admit a sequence now — on the rank it left (resume: its parked sampler is
+        there), the rank holding the cached prefix it reuses (its latents are there), else the least loaded —
+        without that rank holding more than max_batch sequences; if so, the rank is promised to it (the
+        scheduler's Admit ops come in the order of these calls)."""
+        if resume is not None:
+            if resume not in self.parked:  # its Park is still among the scheduler's pending operations
+                return False
+            rank = self.parked[resume].rank
+            if reuses is not None and self.page_rank.get(reuses) != rank:
+                return False
+        elif reuses is not None:
+            if reuses not in self.page_rank:
+                return False
+            rank = self.page_rank[reuses]
+        else:
+            loads = [self._load(r) for r in range(self.ranks)]
+            rank = loads.index(min(loads))
+        if self._load(rank) >= self.max_batch:
+            return False
+        self.promised.append(rank)
+        return True
 
     def _apply(self, ops: list[SlotOp]) -> set:
         """The scheduler's slot operations on the mirror; -> the sequences admitted."""
         admitted = set()
         for op in ops:
             if isinstance(op, Admit):
-                load = [sum(1 for h in self.slots if h is not None and h.rank == r) for r in range(self.ranks)]
-                h = Held(load.index(min(load)), op.sampling)
+                rank = self.promised.popleft()
+                h = self.parked.pop(op.resume) if op.resume is not None else Held(rank, op.sampling)
                 self._put(op.slot, h)
                 admitted.add(h)
             elif isinstance(op, Release):
                 admitted.discard(self.slots[op.slot])
                 self.slots[op.slot] = None
+            elif isinstance(op, Park):
+                h = self.slots[op.slot]
+                if h in admitted:  # admitted and preempted before any step: nothing of it on the ranks
+                    admitted.discard(h)
+                else:
+                    h.key = op.key
+                self.parked[op.key] = h
+                self.slots[op.slot] = None
+            elif isinstance(op, Drop):
+                h = self.parked.pop(op.key)
+                if h.key is not None:  # its rank parked a sampler
+                    self.drops[h.rank].append(Drop(op.key))
             elif isinstance(op, Move):
                 self._put(op.dst, self.slots[op.src])
                 self.slots[op.src] = None
@@ -92,10 +138,13 @@ class ColumnPlans:
         slots, in the scheduler's order)."""
         admitted = self._apply(plan.ops)
         step = self.slots[plan.first:plan.first + plan.batch]
+        for h, table in zip(step, plan.tables):
+            self.page_rank.update((page, h.rank) for page in table)
         plans = []
         for r, mine in enumerate(self.per_rank):
             new = [h for h in self.slots if h is not None and h.rank == r]
-            ops = local_ops(mine.order, new, admitted)
+            ops = local_ops(mine.order, new, admitted) + self.drops[r]  # a Park before a Drop of the same key
+            self.drops[r] = []
             if not mine.rows // 4 < len(new) <= mine.rows:
                 mine.rows = bucket(max(1, len(new)), self.max_batch, minimum=1)
             mine.order = list(new)
@@ -103,7 +152,11 @@ class ColumnPlans:
             first = new.index(step[rows[0]]) if rows else 0
             plans.append(StepPlan(first=first, tokens=[plan.tokens[b] for b in rows],
                                   starts=[plan.starts[b] for b in rows], sample=[plan.sample[b] for b in rows],
-                                  rows=mine.rows, capacity=plan.capacity, ops=ops))
+                                  rows=mine.rows, capacity=plan.capacity, ops=ops,
+                                  tables=[plan.tables[b] for b in rows] if plan.tables else [],
+                                  page_tokens=plan.page_tokens))
+        for h in admitted:  # its parked sampler is back in use (every rank's ops are made)
+            h.key = None
         return plans
 
     def merge(self, plan: StepPlan, ids_per_rank: list[list[int | None]]) -> list[int | None]:

@@ -159,12 +159,12 @@ class ExpertParallelStage(StageExecutor):
         if not self.cfg.is_moe_layer(layer):
             return super().run_block(layer, plan, st, hidden)
         backend, clock = self.backend, time.perf_counter
-        cache = self.cache.view(layer, plan.first, plan.batch)
+        cache = self.cache.gather(layer, st.gather_rows)
         t0 = clock()
         residual, x, topk_ids, topk_weights, shared, new = backend.moe_front(layer, hidden, st.rope_cos, st.rope_sin,
                                                                              st.mask, cache)
         self.clock.backend_s += clock() - t0
-        self.cache.write(layer, plan.first, new, st.cache_rows, st.valid)
+        self.cache.write(layer, new, st.cache_rows, st.valid)
         dispatch = plan_dispatch(topk_ids.cpu(), st.valid.cpu(), self.num_experts, self.exchange.size)
         pair_out = self._serve(layer, x.reshape(-1, x.shape[-1]), dispatch, is_decode(plan))
         t0 = clock()

@@ -47,6 +47,9 @@ class _LaneExecutor:
     def run(self, plan: StepPlan) -> list[int | None]:
         return self.lanes._submit(self.lane, plan)
 
+    def admits(self, reuses: int | None = None, resume: int | None = None) -> bool:
+        return self.lanes.leader.admits(reuses, resume, lane=self.lane)
+
 
 @dataclass
 class _Intervals:
@@ -68,10 +71,12 @@ class _Intervals:
 class MicroBatchScheduler:
     """M lanes behind one scheduler's interface (what Generator and the server call)."""
 
-    def __init__(self, leader: PipelineExecutor, cfg, limits, lanes: int):
+    def __init__(self, leader: PipelineExecutor, cfg, limits, lanes: int, prefix_cache: bool = True):
         self.leader, self.cfg, self.limits = leader, cfg, limits
-        lane_limits = replace(limits, max_batch=max(1, math.ceil(limits.max_batch / lanes)))
-        self.lanes = [Scheduler(_LaneExecutor(self, i), cfg, lane_limits) for i in range(lanes)]
+        lane_batch = max(1, math.ceil(limits.max_batch / lanes))
+        # each lane's cache pages are its own, on every rank: the pool is dealt out with the slots
+        lane_limits = replace(limits, max_batch=lane_batch, cache_pages=max(lane_batch, limits.cache_pages // lanes))
+        self.lanes = [Scheduler(_LaneExecutor(self, i), cfg, lane_limits, prefix_cache) for i in range(lanes)]
         self._cond = threading.Condition()
         self._queue: deque[_Submitted] = deque()
         self._planning = 0  # lanes running scheduler code (not waiting for a step, not finished)
@@ -114,6 +119,9 @@ class MicroBatchScheduler:
         for s in self.lanes:
             s.timings = Timings()
         self._intervals = _Intervals()
+
+    def cache_counters(self):
+        return sum((s.cache_counters() for s in self.lanes[1:]), self.lanes[0].cache_counters())
 
     @property
     def layout(self) -> list[Request]:

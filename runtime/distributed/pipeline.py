@@ -41,9 +41,9 @@ from k2trt.runtime.distributed.layout import Layout
 from k2trt.runtime.distributed.world import World
 from k2trt.runtime.generation.executor import StageClock, StageExecutor
 from k2trt.runtime.generation.sampling import SamplingParams
-from k2trt.runtime.generation.step import Admit, Move, Release, StepPlan, Swap, is_decode
+from k2trt.runtime.generation.step import Admit, Drop, Move, Park, Release, StepPlan, Swap, is_decode
 
-_OPS = {"admit": Admit, "release": Release, "move": Move, "swap": Swap}
+_OPS = {"admit": Admit, "release": Release, "park": Park, "drop": Drop, "move": Move, "swap": Swap}
 _NAMES = {v: k for k, v in _OPS.items()}
 NOT_SAMPLED = -1
 
@@ -308,7 +308,6 @@ class StageRunner:
         if topo.next is not None:
             tr.send_message(topo.next, blob)
         stage = self.stage(m.lane)
-        _room_for(stage, plan)
         stage.apply(plan)
         if not m.active:
             return None
@@ -323,15 +322,6 @@ class StageRunner:
             return stage.sample(plan, st, hidden)
         tr.send_hidden(topo.next, hidden)
         return None
-
-
-def _room_for(stage: StageExecutor, plan: StepPlan) -> None:
-    """Slots enough for the plan's slot operations before they move anything (a column's sequences move among its
-    slots; the cache is resized to the plan's rows after)."""
-    top = max((max(getattr(op, f) for f in ("slot", "src", "dst", "a", "b") if hasattr(op, f)) for op in plan.ops),
-              default=-1)
-    if top >= stage.cache.slots:
-        stage.cache.resize(top + 1, max(stage.cache.capacity, plan.capacity))
 
 
 class PipelineExecutor:
@@ -390,6 +380,12 @@ class PipelineExecutor:
     def run(self, plan: StepPlan) -> list[int | None]:
         self.issue(0, plan)
         return self.complete()[1]
+
+    def admits(self, reuses: int | None = None, resume: int | None = None, lane: int = 0) -> bool:
+        """Whether a sequence may be admitted now (data_parallel.ColumnPlans.admits; always, with one column)."""
+        if self.columns == 1:
+            return True
+        return self.split_by_lane.setdefault(lane, self.column_plans()).admits(reuses, resume)
 
     def session_seconds(self) -> float | None:
         return self.runner.session_seconds()

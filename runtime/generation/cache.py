@@ -1,11 +1,11 @@
-"""The latent KV cache: per layer one tensor [slots, capacity, kv_lora + rope] on the backend's device.
+"""The latent KV cache: per layer a pool of pages of kv_lora + rope values per position, on the backend's device.
 
-A sequence owns one slot; its cache position j holds its token at position j. The runtime hands every block a
-contiguous range of slots (a view, never a copy) and writes the block's new entries into it in place. The number
-of slots and the capacity (the same for every slot) follow the sequences (`resize`, decided by the scheduler so
-that every pipeline stage agrees): a step's attention spans about the positions actually written, not a configured
-maximum, and memory follows the requests actually running. Slot moves (`move`, `swap`) keep the sequences of a
-step contiguous when others finish.
+A sequence holds the pages its page table lists (pages.py: the scheduler's bookkeeping), so the memory in use
+follows the tokens held, not slots x the longest sequence, and sequences with a common prefix read the same pages.
+Every block gets the step's cache as [B, P, latent], gathered through the page tables (the block graphs keep their
+contiguous cache input, so every backend runs them unchanged), and the block's new entries are written into their
+pages in place. P, the step's capacity, follows what the step's sequences need (`bucket`, chosen by the scheduler
+so that every pipeline stage agrees).
 """
 
 from __future__ import annotations
@@ -15,58 +15,78 @@ from typing import Iterable
 import torch
 
 from k2trt.runtime.backends.contract import CAPACITY_MULTIPLE
+from k2trt.runtime.generation.pages import PAGE_TOKENS
 
 
-def bucket(needed: int, limit: int, minimum: int = CAPACITY_MULTIPLE) -> int:
-    """The size to allocate for `needed`: the next power of two (at least `minimum`), at most `limit` (and never
-    less than needed), so sizes change rarely (each change copies the cache) and at most double what is needed;
-    always a multiple of `minimum` — a capacity capped at an odd limit is rounded up, so slot views stay 256-byte
-    aligned (contract.CAPACITY_MULTIPLE)."""
+CAPACITY_STEPS = 4  # a step's capacity P takes four sizes an octave (scheduler._capacity_for)
+
+
+def bucket(needed: int, limit: int, minimum: int = CAPACITY_MULTIPLE, per_octave: int = 1) -> int:
+    """The size to allocate for `needed`: the next of `per_octave` sizes evenly spaced in each octave above a power
+    of two (per_octave 1: the next power of two; 4: 1, 1.25, 1.5, 1.75 times one), at least `minimum`, at most
+    `limit` (and never less than needed), so sizes take few values (each a TensorRT shape, a CUDA graph) and
+    overshoot by at most 1/per_octave; always a multiple of `minimum` — a capacity capped at an odd limit is rounded
+    up, so slot views stay 256-byte aligned (contract.CAPACITY_MULTIPLE)."""
     size = minimum
     while size < needed:
         size *= 2
+    step = max(minimum, size // (2 * per_octave))
+    size = min(size, -(-needed // step) * step)
     size = max(needed, min(size, limit))
     return -(-size // minimum) * minimum
 
 
-class LatentCache:
-    def __init__(self, layers: Iterable[int], latent_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+class PagedLatentCache:
+    """Per layer one pool [pages x page_tokens, latent] of the backend's device: page q holds rows
+    q * page_tokens .. (q + 1) * page_tokens - 1. Which pages a sequence holds is the scheduler's (pages.PagePool);
+    a step's plan carries each of its sequences' page tables, and the step's tensors give the flat rows to read
+    (`gather`) and to write (`write`). The pool grows to the highest page a plan names, an eighth more at a time,
+    and keeps what it holds (pages.PagePool takes the lowest free page, so this follows the pages in use)."""
+
+    def __init__(self, layers: Iterable[int], latent_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 page_tokens: int = PAGE_TOKENS):
         self.layers = list(layers)
         self.latent_dim, self.dtype, self.device = latent_dim, dtype, torch.device(device)
-        self.slots = self.capacity = 0
-        self.tensors = {layer: self._empty(0, 0) for layer in self.layers}
+        self.page_tokens = page_tokens
+        self.pages = 0
+        self.tensors = {layer: self._empty(0) for layer in self.layers}
+        self.step_buffer: torch.Tensor | None = None  # the gathered cache, one buffer for every layer and step
+    def _empty(self, pages: int) -> torch.Tensor:
+        # zeros, not uninitialized memory: a masked position gets probability exactly 0, and 0 * NaN would be NaN;
+        # a gathered position past a sequence's pages reads row 0, whatever it holds, always finite
+        return torch.zeros(max(pages, 1) * self.page_tokens, self.latent_dim, dtype=self.dtype, device=self.device)
 
-    def _empty(self, slots: int, capacity: int) -> torch.Tensor:
-        # zeros, not uninitialized memory: masked slots get probability exactly 0, and 0 * NaN would be NaN
-        return torch.zeros(slots, capacity, self.latent_dim, dtype=self.dtype, device=self.device)
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
-    def resize(self, slots: int, capacity: int) -> None:
-        """Grow or shrink every layer to `slots` x `capacity`, keeping what fits of every kept slot."""
-        if (slots, capacity) == (self.slots, self.capacity):
+    def reserve(self, pages: int) -> None:
+        """Room for pages 0 .. pages - 1 in every layer, keeping what is held."""
+        if pages <= self.pages:
             return
-        keep_s, keep_c = min(slots, self.slots), min(capacity, self.capacity)
+        pages = max(pages, self.pages + -(-self.pages // 8))
+        held = self.pages * self.page_tokens  # rows of pages named before (the first pool's placeholder: none)
         for layer, old in self.tensors.items():
-            new = self._empty(slots, capacity)
-            new[:keep_s, :keep_c] = old[:keep_s, :keep_c]
+            new = self._empty(pages)
+            new[:held] = old[:held]
             self.tensors[layer] = new
-        self.slots, self.capacity = slots, capacity
+        self.pages = pages
 
-    def view(self, layer: int, first: int, count: int) -> torch.Tensor:
-        """Slots first..first+count-1 of one layer: [count, capacity, latent], contiguous, shares memory."""
-        return self.tensors[layer][first:first + count]
+    def gather(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """The step's cache of one layer, [B, P, latent], from its flat rows [B, P] (StepTensors.gather_rows), into
+        the one step buffer: each layer's block reads it before the next layer's gather overwrites it (the same
+        stream, in order), and a decode block's CUDA graph (runtime/trt/backend.DecodeGraphs), which bakes in its
+        cache's address, is captured once per B and P rather than at every step."""
+        b, p = rows.shape
+        buf = self.step_buffer
+        if buf is None or buf.shape != (b, p, self.latent_dim):
+            buf = self.step_buffer = torch.empty(b, p, self.latent_dim, dtype=self.dtype, device=self.device)
+        torch.index_select(self.tensors[layer], 0, rows.reshape(-1), out=buf.view(b * p, self.latent_dim))
+        return buf
 
-    def write(self, layer: int, first: int, new: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> None:
-        """Write a step's new entries in place. new [B, T, latent]; `rows` are the flat cache rows
-        (slot * capacity + position) of the valid entries `valid` [B, T] (StepTensors.cache_rows)."""
-        flat = self.tensors[layer].view(-1, self.latent_dim)
+    def write(self, layer: int, new: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> None:
+        """Write a step's new entries in place. new [B, T, latent]; `rows` are the flat pool rows of the valid
+        entries `valid` [B, T] (StepTensors.cache_rows)."""
         # every position real (decode, equal prompts): valid order is flat order, no boolean gather needed
         src = new.reshape(-1, self.latent_dim) if rows.numel() == valid.numel() else new[valid]
-        flat.index_copy_(0, rows, src.to(self.dtype))
-
-    def move(self, src: int, dst: int) -> None:
-        for t in self.tensors.values():
-            t[dst] = t[src]
-
-    def swap(self, a: int, b: int) -> None:
-        for t in self.tensors.values():
-            t[[a, b]] = t[[b, a]]
+        self.tensors[layer].index_copy_(0, rows, src.to(self.dtype))

@@ -1,8 +1,9 @@
 """Running step plans through a backend: the part of the runtime that touches tensors.
 
-A StageExecutor owns a backend, the latent cache of its layers and (on the stage with the head) one sampler per
-slot. `run(plan)` applies the plan's slot operations, then embeds (first stage), runs its layers writing their
-cache in place, and applies the head and samples (last stage). A single process is one stage with every layer;
+A StageExecutor owns a backend, the paged latent cache of its layers and (on the stage with the head) one sampler
+per slot. `run(plan)` applies the plan's slot operations, then embeds (first stage), runs its layers over the
+cache gathered through the plan's page tables, writing their new entries into their pages in place, and applies
+the head and samples (last stage). A single process is one stage with every layer;
 a pipeline (runtime/distributed/) is several, with the hidden state passed between them — the same code.
 
 Log-probabilities are an output of the step beside its tokens (`take_logprobs`): of each sampled token, for the
@@ -19,9 +20,9 @@ import torch
 
 from k2trt.config import K2Config
 from k2trt.runtime.backends.contract import Backend
-from k2trt.runtime.generation.cache import LatentCache
+from k2trt.runtime.generation.cache import PagedLatentCache
 from k2trt.runtime.generation.sampling import Sampler, TokenLogprob, logprobs_of, sample_rows
-from k2trt.runtime.generation.step import Admit, Move, Release, RopeTable, StepPlan, StepTensors, Swap, step_tensors
+from k2trt.runtime.generation.step import Admit, Drop, Move, Park, Release, RopeTable, StepPlan, StepTensors, Swap, step_tensors
 
 
 @dataclass
@@ -42,8 +43,9 @@ class StageExecutor:
         self.backend, self.cfg = backend, cfg
         self.layers = list(range(cfg.num_hidden_layers) if layers is None else layers)
         self.first, self.last = first, last
-        self.cache = LatentCache(self.layers, cfg.latent_dim, backend.act_dtype, backend.device)
+        self.cache = PagedLatentCache(self.layers, cfg.latent_dim, backend.act_dtype, backend.device)
         self.samplers: dict[int, Sampler] = {}
+        self.parked: dict[int, Sampler] = {}  # preempted sequences' samplers, by key (Park), until resumed
         self.rope = RopeTable(cfg)
         self.clock = StageClock()
         self.logprobs = StepLogprobs({}, {})
@@ -53,15 +55,19 @@ class StageExecutor:
         for op in plan.ops:
             if isinstance(op, Admit):
                 if self.last:
-                    self.samplers[op.slot] = Sampler(op.sampling, op.grammar)
+                    resumed = self.parked.pop(op.resume) if op.resume is not None else None
+                    self.samplers[op.slot] = resumed or Sampler(op.sampling, op.grammar)
             elif isinstance(op, Release):
                 self.samplers.pop(op.slot, None)
+            elif isinstance(op, Park):
+                if op.slot in self.samplers:
+                    self.parked[op.key] = self.samplers.pop(op.slot)
+            elif isinstance(op, Drop):
+                self.parked.pop(op.key, None)
             elif isinstance(op, Move):
-                self.cache.move(op.src, op.dst)
                 if op.src in self.samplers:
                     self.samplers[op.dst] = self.samplers.pop(op.src)
             elif isinstance(op, Swap):
-                self.cache.swap(op.a, op.b)
                 sa, sb = self.samplers.pop(op.a, None), self.samplers.pop(op.b, None)
                 if sa is not None:
                     self.samplers[op.b] = sa
@@ -69,7 +75,11 @@ class StageExecutor:
                     self.samplers[op.a] = sb
             else:
                 raise TypeError(f"unknown slot op {op!r}")
-        self.cache.resize(plan.rows, plan.capacity)
+        if plan.tables:
+            if self.cache.pages and plan.page_tokens != self.cache.page_tokens:
+                raise ValueError(f"a plan of {plan.page_tokens}-position pages for a cache of {self.cache.page_tokens}")
+            self.cache.page_tokens = plan.page_tokens
+            self.cache.reserve(1 + max((max(t, default=0) for t in plan.tables), default=0))
 
     # ---- the step, in the three parts a pipeline distributes -----------------------------------------------
     def tensors(self, plan: StepPlan) -> StepTensors:
@@ -89,11 +99,11 @@ class StageExecutor:
     def run_block(self, layer: int, plan: StepPlan, st: StepTensors, hidden: torch.Tensor) -> torch.Tensor:
         """One layer over the step's slot range; an expert-parallel stage runs its MoE layers split instead
         (runtime/distributed/expert_parallel.py)."""
-        cache = self.cache.view(layer, plan.first, plan.batch)
+        cache = self.cache.gather(layer, st.gather_rows)
         t0 = time.perf_counter()
         hidden, new = self.backend.block(layer, hidden, st.rope_cos, st.rope_sin, st.mask, cache)
         self.clock.backend_s += time.perf_counter() - t0
-        self.cache.write(layer, plan.first, new, st.cache_rows, st.valid)  # the only write of this step
+        self.cache.write(layer, new, st.cache_rows, st.valid)  # the only write of this step
         return hidden
 
     def sample(self, plan: StepPlan, st: StepTensors, hidden: torch.Tensor) -> list[int | None]:
@@ -123,7 +133,8 @@ class StageExecutor:
         for b, tokens in enumerate(plan.tokens):
             s = self.samplers.get(plan.first + b)
             k = s.params.prompt_logprobs if s is not None else None
-            if k is None or (plan.starts[b] > 0 and s.prompt_tail is None):  # not asked, or the prompt is done
+            # not asked, or the prompt is done (a preempted sequence feeding its prompt again has them already)
+            if k is None or s.prompt_done or (plan.starts[b] > 0 and s.prompt_tail is None):
                 continue
             t0 = time.perf_counter()
             logits = self.backend.head(hidden[b:b + 1, :len(tokens)].contiguous())[0].float()
@@ -135,6 +146,7 @@ class StageExecutor:
             self.logprobs.prompt[b] = ([] if before else [None]) + entries
             # the chunk's last position: the next chunk's first token, unless this chunk ends the prompt
             s.prompt_tail = None if plan.sample[b] else logits[len(tokens) - 1:]
+            s.prompt_done = plan.sample[b]
 
     def take_logprobs(self) -> StepLogprobs:
         """The last step's log-probabilities (read after `run`)."""

@@ -7,9 +7,12 @@ One quantity runs through the runtime under four names, each bounding the next:
                which the backend reports as its BackendLimits.max_context (None: no limit of its own);
   max_context  the most positions one request may hold, prompt and new tokens together: the tightest of the
                model's max_position_embeddings, the user's --max-context and the backend's (Limits.max_context);
-  capacity     the positions per slot the latent cache holds for a step: what every running request needs,
-               bucketed in powers of two, never above max_context (chosen by the scheduler, StepPlan.capacity);
+  capacity     the positions a step's attention spans: what the step's sequences hold and write, bucketed in
+               four sizes an octave, never above max_context (chosen by the scheduler, StepPlan.capacity);
   P            the cache dimension of every block graph and of the step's mask [B, T, P + T]: the capacity.
+
+The cache's own limit is its pool: cache_pages pages of page_tokens positions (pages.py), shared by every running
+request; by default as many as max_batch requests at max_context hold, the most the slots could ever need.
 """
 
 from __future__ import annotations
@@ -19,13 +22,13 @@ from dataclasses import dataclass
 from k2trt.config import K2Config
 from k2trt.errors import K2Error
 from k2trt.runtime.backends.contract import BackendLimits
+from k2trt.runtime.generation.pages import PAGE_TOKENS, pages_for
 
 DEFAULT_SLOTS = 64  # sequences decoded together when neither the user nor the backend sets a limit
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per request per step, before the mask budget shrinks it
 # a prefill step's mask is B x T x (P + T), P the capacity the step runs at (TensorRT's attention spans as much;
 # ONNX Runtime skips the P part when no prompt has cached positions, but the mask is built that wide): chunks
-# shrink so it stays under this many elements. P is what every running request needs, not only the prefilling
-# ones: a long conversation decoding beside fresh prompts widens their step too.
+# shrink so it stays under this many elements. P is what the step's own sequences hold and write.
 MASK_BUDGET = 1 << 22
 
 
@@ -35,16 +38,23 @@ class Limits:
     max_batch: int  # sequence slots: requests running at once
     prefill_chunk: int  # prompt tokens per request per step (fewer when the mask budget asks)
     mask_budget: int = MASK_BUDGET  # elements of a prefill step's mask
+    cache_pages: int = 0  # pages in the latent cache's pool (0: the default, max_batch requests at max_context)
+    page_tokens: int = PAGE_TOKENS  # positions per page
 
     def __post_init__(self):
-        for name in ("max_context", "max_batch", "prefill_chunk", "mask_budget"):
+        for name in ("max_context", "max_batch", "prefill_chunk", "mask_budget", "page_tokens"):
             if getattr(self, name) < 1:
                 raise K2Error(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.cache_pages:
+            object.__setattr__(self, "cache_pages", self.max_batch * pages_for(self.max_context, self.page_tokens))
+        if self.cache_pages < self.max_batch:
+            raise K2Error(f"a cache of {self.cache_pages} pages cannot give each of the {self.max_batch} slots a "
+                          f"page: it needs at least {self.max_batch}")
 
     @classmethod
     def resolve(cls, cfg: K2Config, backend: BackendLimits, *, max_context: int | None = None,
                 max_batch: int | None = None, prefill_chunk: int | None = None,
-                mask_budget: int = MASK_BUDGET) -> "Limits":
+                mask_budget: int = MASK_BUDGET, cache_pages: int | None = None) -> "Limits":
         """The tightest of the model's, the user's (None: not limited) and the backend's (what a TensorRT engine
         was built for), with the defaults where nobody sets one."""
         def tightest(*values):
@@ -53,7 +63,7 @@ class Limits:
         return cls(max_context=tightest(cfg.max_position_embeddings, max_context, backend.max_context),
                    max_batch=tightest(max_batch or DEFAULT_SLOTS, backend.max_batch),
                    prefill_chunk=tightest(prefill_chunk or DEFAULT_PREFILL_CHUNK, backend.max_tokens_per_step),
-                   mask_budget=mask_budget)
+                   mask_budget=mask_budget, cache_pages=cache_pages or 0)
 
 
 class RequestError(K2Error):

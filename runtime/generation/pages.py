@@ -1,6 +1,6 @@
 """The latent cache's pages, as the scheduler counts them: a pool of fixed-size pages, each sequence's page table,
 and the index of full pages by the tokens they hold (prefix reuse). Plain integers only: rank 0 decides, every
-pipeline stage follows the page tables its plans carry (issue 23; not yet the cache the executor runs on).
+pipeline stage follows the page tables its plans carry (cache.PagedLatentCache holds the latents).
 
 - A page holds `page_tokens` consecutive positions of one sequence; a sequence's page table lists its pages in
   position order, so position p lives in page table[p // page_tokens], row p % page_tokens.
@@ -9,13 +9,17 @@ pipeline stage follows the page tables its plans carry (issue 23; not yet the ca
   everything before it is the same too — the page's latents depend on all of it (vLLM's automatic prefix caching
   keys blocks the same way).
 - Pages are reference counted. A shared page is read-only; a page nobody references stays in the index, evicted
-  least recently used only when a new page is needed, so a page a running sequence reads is never evicted.
+  least recently used only when a new page is needed, so a page a running sequence reads is never evicted. A
+  sequence gives its pages back last first, so a prefix's later pages are evicted before its earlier ones.
+- Free pages are taken lowest first, so the pages in use stay at the bottom of the pool and the executors' pool
+  tensors (grown to the highest page a plan names) follow the pages in use.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict, deque
+import heapq
+from collections import OrderedDict
 
 import numpy as np
 
@@ -24,9 +28,10 @@ from k2trt.errors import K2Error
 PAGE_TOKENS = 64  # positions per page: where the GPU MLA kernels sit (FlashMLA's paged decode uses 64)
 
 
-def page_keys(tokens: list[int], page_tokens: int = PAGE_TOKENS) -> list[bytes]:
-    """The key of each full page of `tokens`: a hash of the page's tokens and the key of the page before it."""
-    keys, parent = [], b""
+def page_keys(tokens: list[int], page_tokens: int = PAGE_TOKENS, parent: bytes = b"") -> list[bytes]:
+    """The key of each full page of `tokens`: a hash of the page's tokens and the key of the page before it
+    (`parent`: the key of the page before tokens[0], when they continue a sequence)."""
+    keys = []
     for start in range(0, len(tokens) - page_tokens + 1, page_tokens):
         chunk = np.asarray(tokens[start:start + page_tokens], dtype=np.int64).tobytes()
         parent = hashlib.sha256(parent + chunk).digest()
@@ -38,6 +43,13 @@ def pages_for(positions: int, page_tokens: int = PAGE_TOKENS) -> int:
     return -(-positions // page_tokens)
 
 
+def page_bytes(cfg, dtype, page_tokens: int = PAGE_TOKENS) -> int:
+    """Bytes of one page over every layer: what --cache-memory is counted in."""
+    import torch
+
+    return page_tokens * cfg.latent_dim * torch.empty(0, dtype=dtype).element_size() * cfg.num_hidden_layers
+
+
 class PagePool:
     """`pages` pages of `page_tokens` positions; with `prefix_cache`, full prompt pages are kept for reuse."""
 
@@ -45,7 +57,7 @@ class PagePool:
         if pages < 1 or page_tokens < 1:
             raise K2Error(f"a page pool needs at least one page of at least one position, got {pages} × {page_tokens}")
         self.pages, self.page_tokens, self.prefix_cache = pages, page_tokens, prefix_cache
-        self.free: deque[int] = deque(range(pages))
+        self.free: list[int] = list(range(pages))  # a heap: the lowest free page first
         self.refs = [0] * pages
         self.key_of: dict[int, bytes] = {}  # published page -> its key
         self.page_of: dict[bytes, int] = {}  # key -> published page
@@ -79,10 +91,19 @@ class PagePool:
             self._reference(page)
         return hit
 
-    def publish(self, page: int, key: bytes) -> None:
-        """A page now full of the positions `key` names (its latents written): other sequences may reuse it. A key
-        already published keeps its page (two sequences prefilled the same prefix at once: the first wins)."""
-        if self.prefix_cache and key not in self.page_of and page not in self.key_of:
+    def publish(self, table: list[int], keys: list[bytes], full: int) -> None:
+        """The first `full` pages of a sequence's table now hold the positions `keys` name (their latents written):
+        other sequences may reuse them. A key already published keeps its page (two sequences prefilled the same
+        prefix at once: the first wins), and the sequence publishes nothing past it: a published prefix is always
+        one sequence's pages, so its latents are on the one expert-parallel rank that wrote them."""
+        if not self.prefix_cache:
+            return
+        for page, key in zip(table[:full], keys[:full]):
+            owner = self.page_of.get(key)
+            if owner == page:
+                continue
+            if owner is not None or page in self.key_of:
+                return
             self.page_of[key], self.key_of[page] = page, key
 
     # ---- taking and giving back ----------------------------------------------------------------------------
@@ -94,7 +115,7 @@ class PagePool:
         out = []
         for _ in range(n):
             if self.free:
-                page = self.free.popleft()
+                page = heapq.heappop(self.free)
             else:
                 page, _ = self.idle.popitem(last=False)
                 del self.page_of[self.key_of.pop(page)]
@@ -104,8 +125,9 @@ class PagePool:
 
     def release(self, table: list[int]) -> None:
         """A sequence ends (finished, cancelled or preempted): each of its pages loses one reference; a published
-        page nobody references stays reusable until evicted, any other goes back to the free list."""
-        for page in table:
+        page nobody references stays reusable until evicted, any other goes back to the free list. Last page first:
+        a prefix's tail becomes idle before its head, so least recently used evicts tails first."""
+        for page in reversed(table):
             if self.refs[page] < 1:
                 raise K2Error(f"page {page} released more often than it was taken")
             self.refs[page] -= 1
@@ -113,7 +135,7 @@ class PagePool:
                 if page in self.key_of:
                     self.idle[page] = None
                 else:
-                    self.free.append(page)
+                    heapq.heappush(self.free, page)
 
     def _reference(self, page: int) -> None:
         if self.refs[page] == 0:

@@ -129,6 +129,7 @@ class Sampler:
         self.matcher = grammar.matcher() if grammar is not None else None
         self.chosen: TokenLogprob | None = None
         self.prompt_tail: torch.Tensor | None = None  # the last prompt chunk's last logits (prompt_logprobs)
+        self.prompt_done = False  # its prompt's log-probabilities are all given
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [B, V] -> token ids [B] int64, one uniform draw per row, rows in order."""

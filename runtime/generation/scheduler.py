@@ -13,6 +13,15 @@ Slots [0, n_decoding) hold the decoding requests and the prefilling ones follow,
 ranges. A finished or cancelled request frees its slot at once; the last request of its region moves into the
 hole. A static batch (`k2trt generate`) is the same loop with every request submitted at the start.
 
+The latent cache is paged (pages.py): a request takes pages for its prompt when admitted — after the longest
+cached prefix it can reuse, whose positions it never computes — and one more page each time its decode crosses a
+page's end. A request admits only when its pages are there; when a decoding request needs a page and none is left,
+the newest request is preempted: its pages go back, its sampler is parked on the stage that samples, and it waits
+at the front of the queue to feed its prompt and tokens again (recompute) and decode on with the same sampler, so
+its tokens are the ones it would have had. Full pages (prompt and generated tokens: a conversation's next turn
+resends the reply) are published for reuse once their latents are written; rank 0's scheduler decides every hit,
+and each stage reads its own layers' pages of it.
+
 Each request brings its own stop rules (runtime/text/text_stream.StopRules): its stop ids end it, and its text
 stream, fed every kept token once, ends it at a stop string and gives the text to show. A request may also bring a
 grammar its tokens follow (its sampler masks by it) and ask for log-probabilities (SamplingParams.logprobs,
@@ -24,14 +33,15 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field, replace
 from typing import Callable
 
 from k2trt.config import K2Config
-from k2trt.runtime.generation.cache import bucket
+from k2trt.runtime.generation.cache import CAPACITY_STEPS, bucket
 from k2trt.runtime.generation.limits import ContextTooLong, Limits, RequestError
+from k2trt.runtime.generation.pages import PagePool, page_keys, pages_for
 from k2trt.runtime.generation.sampling import DEFAULTS, SamplingParams
-from k2trt.runtime.generation.step import DECODE, PREFILL, Admit, Move, Release, SlotOp, StepPlan, Swap
+from k2trt.runtime.generation.step import DECODE, PREFILL, Admit, Drop, Move, Park, Release, SlotOp, StepPlan, Swap
 from k2trt.runtime.generation.timings import Timings
 from k2trt.runtime.text.text_stream import NO_STOPS, StopRules, TextStream
 
@@ -55,7 +65,7 @@ class Request:
     id: int = field(default_factory=lambda: next(_ids))
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    fed: int = 0  # prompt tokens in the cache
+    fed: int = 0  # tokens of `feed` in the cache
     cached: int = 0  # positions in the cache
     pending: int | None = None  # the last sampled token, not yet in the cache
     cancelled: bool = False  # set from anywhere; honoured at the next iteration
@@ -65,10 +75,27 @@ class Request:
     finished_at: float | None = None
     logprobs: list = field(default_factory=list)  # sampling.TokenLogprob of each token in token_ids (if asked)
     prompt_logprobs: list = field(default_factory=list)  # of each prompt token, None for the first (if asked)
+    table: list[int] = field(default_factory=list)  # its cache pages, in position order (pages.py)
+    cached_tokens: int | None = None  # prompt tokens its first admission reused from the prefix cache
+    preemptions: int = 0
+    resuming: bool = False  # feeding its prompt and tokens again after a preemption: it samples nothing till then
+    feed: list[int] = field(init=False)  # what it prefills: its prompt; after a preemption, its tokens too
     text: TextStream | None = field(init=False)  # None without a tokenizer (token ids only)
 
     def __post_init__(self):
         self.text = self.stops.stream()
+        self.feed = self.prompt
+        self._keys: list[bytes] = []
+
+    def held_keys(self, page_tokens: int, positions: int) -> list[bytes]:
+        """The keys of the full pages of its first `positions` tokens (prompt, then generated: a conversation's
+        next turn resends the reply), extended as it grows."""
+        full = positions // page_tokens
+        if full > len(self._keys):
+            done = len(self._keys) * page_tokens
+            tokens = (self.prompt + self.token_ids)[done:full * page_tokens]
+            self._keys += page_keys(tokens, page_tokens, self._keys[-1] if self._keys else b"")
+        return self._keys[:full]
 
     @property
     def done(self) -> bool:
@@ -89,9 +116,10 @@ class SlotLayout:
     def slot(self, req: Request) -> int:
         return next(i for i, r in enumerate(self.order) if r is req)
 
-    def add(self, req: Request) -> list[SlotOp]:
+    def add(self, req: Request, resume: bool = False, reuses: int | None = None) -> list[SlotOp]:
         self.order.append(req)
-        return [Admit(len(self.order) - 1, req.sampling, req.grammar)]
+        return [Admit(len(self.order) - 1, req.sampling, req.grammar, resume=req.id if resume else None,
+                      reuses=reuses)]
 
     def promote(self, req: Request) -> list[SlotOp]:
         """A prefilling request starts decoding: it moves to the front of the prefilling region."""
@@ -102,9 +130,10 @@ class SlotLayout:
         self.order[i], self.order[j] = self.order[j], self.order[i]
         return [Swap(i, j)]
 
-    def remove(self, req: Request) -> list[SlotOp]:
+    def remove(self, req: Request, park: bool = False) -> list[SlotOp]:
+        """Its slot is freed (its sampler released, or parked under its id to resume)."""
         i = self.slot(req)
-        ops: list[SlotOp] = [Release(i)]
+        ops: list[SlotOp] = [Park(i, req.id) if park else Release(i)]
         if i < self.decoding:  # fill the hole with the last decoding request; the hole moves to the boundary
             j = self.decoding - 1
             if i != j:
@@ -126,14 +155,35 @@ class SlotLayout:
         return self.order[self.decoding:]
 
 
+@dataclass
+class CacheCounters:
+    """The prefix cache and the pool, for /metrics: prompt tokens looked up and found, preemptions (counters), and
+    the pool's pages in use and in all, and the positions those pages span against the positions the running
+    requests hold (read at the time asked, and their high-water marks: their ratio is what paging wastes)."""
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    preemptions: int = 0
+    pages_in_use: int = 0
+    pages: int = 0
+    positions_in_use: int = 0
+    positions_held: int = 0
+    peak_positions_in_use: int = 0  # the most since start, each after a step wrote its positions
+    peak_positions_held: int = 0
+
+    def __add__(self, other: "CacheCounters") -> "CacheCounters":
+        return CacheCounters(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+
 class Scheduler:
-    def __init__(self, executor, cfg: K2Config, limits: Limits):
+    def __init__(self, executor, cfg: K2Config, limits: Limits, prefix_cache: bool = True):
         self.executor, self.cfg, self.limits = executor, cfg, limits
         self.waiting: deque[Request] = deque()
         self.layout = SlotLayout()
+        self.pool = PagePool(limits.cache_pages, limits.page_tokens, prefix_cache)
         self.rows = self.capacity = 0
         self._ops: list[SlotOp] = []
         self.timings = Timings()
+        self.counters = CacheCounters()
 
     # ---- requests ------------------------------------------------------------------------------------
     def check(self, req: Request, name: str = "the prompt") -> None:
@@ -148,6 +198,11 @@ class Scheduler:
                                "prompt")
         if len(req.prompt) + req.max_new_tokens > self.limits.max_context:
             raise ContextTooLong(name, len(req.prompt), req.max_new_tokens, self.limits.max_context)
+        need, pool = pages_for(len(req.prompt) + req.max_new_tokens, self.pool.page_tokens), self.pool
+        if need > pool.pages:
+            raise RequestError(f"{name} has {len(req.prompt)} tokens; with {req.max_new_tokens} new tokens it needs "
+                               f"{need} cache pages, more than the whole pool of {pool.pages} "
+                               f"({pool.pages * pool.page_tokens} positions)", "prompt")
 
     def submit(self, req: Request) -> Request:
         """Queue a request its submitter has check()ed: generate checks every prompt before it submits any, the
@@ -163,6 +218,18 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or len(self.layout))
 
+    def cache_counters(self) -> CacheCounters:
+        in_use = self.pool.in_use
+        return replace(self.counters, pages_in_use=in_use, pages=self.pool.pages,
+                       positions_in_use=in_use * self.pool.page_tokens,
+                       positions_held=sum(r.cached for r in list(self.layout.order)))
+
+    def _note_peak(self) -> None:
+        """After a step's positions are written, before anything it finished lets its pages go."""
+        c = self.counters
+        c.peak_positions_in_use = max(c.peak_positions_in_use, self.pool.in_use * self.pool.page_tokens)
+        c.peak_positions_held = max(c.peak_positions_held, sum(r.cached for r in self.layout.order))
+
     # ---- one iteration -----------------------------------------------------------------------------------
     def iteration(self) -> None:
         self._drop_cancelled()
@@ -170,6 +237,7 @@ class Scheduler:
         prefilling = self.layout.prefilling_requests()
         if prefilling:
             self._prefill_step(prefilling)
+        self._pages_for_decode()
         decoding = self.layout.decoding_requests()
         if decoding:
             self._decode_step(decoding)
@@ -178,7 +246,7 @@ class Scheduler:
         """An empty step: nothing computed, but every pipeline stage hears from rank 0 (an idle server's stages
         would otherwise time out waiting for the next plan) and pending slot operations are applied."""
         plan = StepPlan(first=0, tokens=[], starts=[], sample=[], rows=self.rows, capacity=self.capacity,
-                        ops=self._ops)
+                        ops=self._ops, page_tokens=self.pool.page_tokens)
         self._ops = []
         self.executor.run(plan)
 
@@ -194,41 +262,121 @@ class Scheduler:
             self._finish(req, FINISH_CANCELLED)
 
     def _admit(self) -> None:
-        while self.waiting and self._has_room(self.waiting[0]):
-            req = self.waiting.popleft()
-            req.admitted_at = time.monotonic()
-            self._ops += self.layout.add(req)
+        """Waiting requests, first come first served, while there is a slot and the pages for what they feed."""
+        while self.waiting and len(self.layout) < self.limits.max_batch:
+            req, pt = self.waiting[0], self.pool.page_tokens
+            # a request asking for prompt log-probabilities computes its whole prompt (as vLLM's does)
+            hit = self.pool.match(req.feed) if req.sampling.prompt_logprobs is None else []
+            table = self.pool.allocate(pages_for(len(req.feed), pt) - len(hit))
+            resume = req.id if req.resuming else None
+            if table is not None and hit and not self._admits(hit[0], resume):
+                # its prefix's latents are on an expert-parallel rank it cannot go to: it computes them
+                extra = self.pool.allocate(len(hit))
+                self.pool.release(hit)
+                hit = []
+                if extra is None:
+                    self.pool.release(table)
+                    table = None
+                else:
+                    table = extra + table
+            if table is None:
+                self.pool.release(hit)
+                return
+            if not hit and not self._admits(None, resume):
+                self.pool.release(table)
+                return
+            self.waiting.popleft()
+            req.table = hit + table
+            req.fed = req.cached = len(hit) * pt
+            if req.cached_tokens is None:
+                req.cached_tokens = req.cached
+                self.counters.queried_tokens += len(req.prompt)
+                self.counters.hit_tokens += req.cached
+            if req.admitted_at is None:
+                req.admitted_at = time.monotonic()
+            self._ops += self.layout.add(req, resume=req.resuming, reuses=hit[0] if hit else None)
 
-    def _has_room(self, req: Request) -> bool:
-        """Whether the next waiting request may take a slot now (a paged cache would also ask for its pages)."""
-        return len(self.layout) < self.limits.max_batch
+    def _admits(self, reuses: int | None, resume: int | None) -> bool:
+        """The executor's word on where the sequence would go (expert parallelism: the rank must have room)."""
+        admits = getattr(self.executor, "admits", None)
+        if admits is None or admits(reuses=reuses, resume=resume):
+            return True
+        if not self._ops:
+            return False
+        # its answer follows the slot operations it has seen: the frees pending since the last step come first
+        self.keepalive()
+        return admits(reuses=reuses, resume=resume)
+
+    def _preempt(self, req: Request) -> None:
+        """Free its pages and slot; it waits at the front of the queue to recompute what it held."""
+        self.pool.release(req.table)
+        req.table = []
+        self.counters.preemptions += 1
+        req.preemptions += 1
+        park = bool(req.token_ids)  # decoding: its sampler has drawn, keep it; prefilling: start again afresh
+        self._ops += self.layout.remove(req, park=park)
+        if park:
+            req.feed, req.resuming = req.prompt + req.token_ids[:-1], True
+        else:
+            req.prompt_logprobs = []
+        req.fed = req.cached = 0
+        self.waiting.appendleft(req)
+
+    def _pages_for_decode(self) -> None:
+        """A page for every decoding request whose next position starts one, preempting the newest request
+        (last admitted) while none is left."""
+        for req in list(self.layout.decoding_requests()):
+            while self._running(req) and req.cached >= len(req.table) * self.pool.page_tokens:
+                page = self.pool.allocate(1)
+                if page is not None:
+                    req.table += page
+                else:
+                    self._preempt(max(self.layout.order, key=lambda r: r.admitted_at))
+
+    def _running(self, req: Request) -> bool:
+        return any(r is req for r in self.layout.order)
+
+    def _publish(self, req: Request) -> None:
+        """Its full pages whose latents are written (prompt and generated tokens), for other requests to reuse."""
+        keys = req.held_keys(self.pool.page_tokens, req.cached)
+        self.pool.publish(req.table, keys, len(keys))
 
     def _prefill_step(self, reqs: list[Request]) -> None:
         chunk = self._chunk_size(reqs)
-        tokens = [r.prompt[r.fed:r.fed + chunk] for r in reqs]
-        sample = [r.fed + len(t) == len(r.prompt) for r, t in zip(reqs, tokens)]
+        tokens = [r.feed[r.fed:r.fed + chunk] for r in reqs]
+        sample = [r.fed + len(t) == len(r.feed) and not r.resuming for r, t in zip(reqs, tokens)]
         ids = self._run(PREFILL, reqs, tokens, [r.cached for r in reqs], sample)
         for r, t in zip(reqs, tokens):
             r.fed += len(t)
             r.cached += len(t)
-            if r.on_prefill:
+            self._publish(r)
+            if r.on_prefill and not r.resuming:
                 r.on_prefill(r)
+        self._note_peak()
         for r, tok in zip(reqs, ids):
             if tok is not None:
                 self._ops += self.layout.promote(r)
                 self._accept(r, tok)
+            elif r.resuming and r.fed == len(r.feed):  # all it held is back: it decodes on from its last token
+                self._ops += self.layout.promote(r)
+                r.feed, r.fed, r.resuming = r.prompt, len(r.prompt), False
 
     def _decode_step(self, reqs: list[Request]) -> None:
         ids = self._run(DECODE, reqs, [[r.pending] for r in reqs], [r.cached for r in reqs], [True] * len(reqs))
-        for r, tok in zip(reqs, ids):
+        for r in reqs:
             r.cached += 1
+            if r.cached % self.pool.page_tokens == 0:
+                self._publish(r)
+        self._note_peak()
+        for r, tok in zip(reqs, ids):
             self._accept(r, tok)
 
     def _run(self, kind: str, reqs: list[Request], tokens: list[list[int]], starts: list[int],
              sample: list[bool]) -> list[int | None]:
         self._size_cache(max(s + len(t) for s, t in zip(starts, tokens)))
         plan = StepPlan(first=self.layout.slot(reqs[0]), tokens=tokens, starts=starts, sample=sample,
-                        rows=self.rows, capacity=self.capacity, ops=self._ops)
+                        rows=self.rows, capacity=self.capacity, ops=self._ops, tables=[list(r.table) for r in reqs],
+                        page_tokens=self.pool.page_tokens)
         self._ops = []
         t0 = time.perf_counter()
         ids = self.executor.run(plan)
@@ -248,12 +396,10 @@ class Scheduler:
             reqs[b].logprobs.append(entry)
 
     def _capacity_for(self, step_needs: int) -> int:
-        """The capacity a step writing up to `step_needs` positions runs at: enough for every running request and
-        the step's writes, bucketed; shrunk only when far too big, since each change copies the cache."""
-        needed = max([step_needs] + [r.cached for r in self.layout.order])
-        if self.capacity // 4 < needed <= self.capacity:
-            return self.capacity
-        return bucket(needed, self.limits.max_context)
+        """The positions a step writing up to `step_needs` positions spans (its cache is gathered from its own
+        sequences' pages): bucketed, so the graphs' P takes few values — four an octave, since attention's work
+        follows P (a power of two would nearly double a 2,100-position prompt's)."""
+        return bucket(step_needs, self.limits.max_context, per_octave=CAPACITY_STEPS)
 
     def _size_cache(self, step_needs: int) -> None:
         """Rows and capacity for the next step."""
@@ -294,8 +440,12 @@ class Scheduler:
         if req.done:
             return
         req.finish_reason, req.finished_at = reason, time.monotonic()
-        if any(r is req for r in self.layout.order):
+        if self._running(req):
             self._ops += self.layout.remove(req)
+        elif req.resuming:  # parked: its sampler is dropped
+            self._ops.append(Drop(req.id))
+        self.pool.release(req.table)
+        req.table = []
         rest = req.text.finish() if req.text is not None else ""
         if req.on_finish:
             req.on_finish(req, rest)

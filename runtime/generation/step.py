@@ -18,6 +18,7 @@ import torch
 from k2trt.config import K2Config
 from k2trt.graphs.mask import MASK_NEG
 from k2trt.graphs.rope import rope_tables
+from k2trt.runtime.generation.pages import PAGE_TOKENS, cache_rows
 from k2trt.runtime.generation.sampling import SamplingParams
 
 PREFILL, DECODE = "prefill", "decode"
@@ -28,11 +29,22 @@ class Admit:
     slot: int
     sampling: SamplingParams
     grammar: object = None  # a runtime/text/grammar.Grammar the slot decodes under (one process only), or None
+    resume: int | None = None  # a preempted sequence's key: its parked sampler comes back (Park)
+    reuses: int | None = None  # the first page of the cached prefix it reads, if any (expert parallelism: the
+    # sequence goes to the rank holding that prefix's latents)
 
 
 @dataclass(frozen=True)
 class Release:
     slot: int
+
+
+@dataclass(frozen=True)
+class Park:
+    """A sequence preempted: its slot is freed, its sampler (seeded generator, grammar state) is kept under `key`
+    until an Admit resumes it, so its tokens are the ones it would have sampled had it never been preempted."""
+    slot: int
+    key: int
 
 
 @dataclass(frozen=True)
@@ -47,7 +59,13 @@ class Swap:
     b: int
 
 
-SlotOp = Admit | Release | Move | Swap
+@dataclass(frozen=True)
+class Drop:
+    """A parked sequence ended (cancelled while it waited to resume): its sampler goes."""
+    key: int
+
+
+SlotOp = Admit | Release | Park | Drop | Move | Swap
 
 
 @dataclass
@@ -56,9 +74,12 @@ class StepPlan:
     tokens: list[list[int]]  # new token ids of each sequence (at least one each)
     starts: list[int]  # positions already in each sequence's cache
     sample: list[bool]  # whether to sample a token after this step (not for a prompt chunk that is not its last)
-    rows: int  # cache slots allocated for this step (every stage resizes to rows x capacity)
-    capacity: int  # positions per slot: the P of the step's mask and graphs (limits.py: max_context bounds it)
+    rows: int  # sampler slots in use on the step's ranks (at least first + B)
+    capacity: int  # positions the step's attention spans: the P of its mask and graphs (limits.py)
     ops: list[SlotOp] = field(default_factory=list)  # slot bookkeeping applied, in order, before the step
+    tables: list[list[int]] = field(default_factory=list)  # each sequence's page table (pages.py), covering the
+    # positions it holds and writes in this step
+    page_tokens: int = PAGE_TOKENS  # positions per page
 
     @property
     def batch(self) -> int:
@@ -99,7 +120,8 @@ class StepTensors:
     rope_sin: torch.Tensor
     mask: torch.Tensor  # [B, T, P + T] float32
     valid: torch.Tensor  # [B, T] bool: real (not padding) positions
-    cache_rows: torch.Tensor  # flat cache rows (slot * P + position) of the valid positions, in valid order
+    cache_rows: torch.Tensor  # flat pool rows (page * page_tokens + offset) of the valid positions, in valid order
+    gather_rows: torch.Tensor  # [B, P] flat pool rows of each sequence's cache positions (row 0 past its pages)
     last: torch.Tensor  # [B] index of each sequence's last real position
 
 
@@ -123,8 +145,15 @@ def step_tensors(plan: StepPlan, rope: RopeTable, device, act_dtype: torch.dtype
     causal = offs[None, :] <= offs[:, None]  # [T query, T key]
     mask[:, :, cap:] = np.where(causal[None] & valid[:, None, :], np.float32(0), np.float32(MASK_NEG))
     cos, sin = rope(positions)
-    rows = ((plan.first + np.arange(b))[:, None] * cap + positions)[valid]
+    if len(plan.tables) != b:
+        raise ValueError(f"a step of {b} sequences carries {len(plan.tables)} page tables")
+    pt = plan.page_tokens
+    rows = np.concatenate([cache_rows(table, positions[i, :lengths[i]], pt) for i, table in enumerate(plan.tables)])
+    gather = np.zeros((b, cap), dtype=np.int64)
+    for i, table in enumerate(plan.tables):
+        held = min(cap, len(table) * pt)
+        gather[i, :held] = cache_rows(table, np.arange(held), pt)
     as_t = torch.from_numpy
     return StepTensors(as_t(ids).to(device), cos.to(device, act_dtype), sin.to(device, act_dtype),
                        as_t(mask).to(device), as_t(valid).to(device), as_t(rows).to(device),
-                       as_t(lengths - 1).to(device))
+                       as_t(gather).to(device), as_t(lengths - 1).to(device))

@@ -1,13 +1,14 @@
 """`/metrics` in Prometheus' text format, and one log line per request.
 
 Counters and histograms are kept by prometheus_client in a registry of the server's own; running and waiting
-requests are read from the scheduler thread at scrape time. Names follow vLLM's where one exists (k2trt: prefix)."""
+requests, and the prefix cache's and the page pool's counters, are read from the scheduler thread at scrape time. Names follow vLLM's where one exists (k2trt: prefix)."""
 
 from __future__ import annotations
 
 import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LOG = logging.getLogger("k2trt.serve")
 disable_created_metrics()  # no *_created series: a scrape is the counters and histograms only
@@ -45,6 +46,7 @@ class Metrics:
         waiting = Gauge("k2trt:num_requests_waiting", "requests waiting for a slot", registry=r)
         running.set_function(lambda: scheduler_thread.running)
         waiting.set_function(lambda: scheduler_thread.waiting)
+        r.register(_CacheCollector(scheduler_thread))
 
     def request_done(self, endpoint: str, status: int) -> None:
         endpoint = endpoint if endpoint in ENDPOINTS else OTHER
@@ -65,3 +67,35 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _CacheCollector:
+    """The scheduler's prefix-cache and pool counters at scrape time (vLLM's names: prefix_cache_queries and
+    prefix_cache_hits in tokens, num_preemptions, kv_cache_usage_perc as a fraction of the pages)."""
+
+    def __init__(self, scheduler_thread):
+        self.scheduler_thread = scheduler_thread
+
+    def collect(self):
+        c = self.scheduler_thread.cache_counters()
+        yield CounterMetricFamily("k2trt:prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                                  value=c.queried_tokens)
+        yield CounterMetricFamily("k2trt:prefix_cache_hits", "prompt tokens found in the prefix cache (not computed)",
+                                  value=c.hit_tokens)
+        yield CounterMetricFamily("k2trt:num_preemptions", "requests preempted for want of cache pages",
+                                  value=c.preemptions)
+        yield GaugeMetricFamily("k2trt:cache_pages_in_use", "latent-cache pages some request holds",
+                                value=c.pages_in_use)
+        yield GaugeMetricFamily("k2trt:cache_pages", "latent-cache pages in the pool", value=c.pages)
+        yield GaugeMetricFamily("k2trt:prefix_cache_hit_ratio", "prompt tokens found over prompt tokens looked up",
+                                value=c.hit_tokens / c.queried_tokens if c.queried_tokens else 0.0)
+        yield GaugeMetricFamily("k2trt:cache_positions_in_use", "positions the pages in use span",
+                                value=c.positions_in_use)
+        yield GaugeMetricFamily("k2trt:cache_positions_held", "positions the running requests hold in the cache",
+                                value=c.positions_held)
+        yield GaugeMetricFamily("k2trt:cache_peak_positions_in_use", "the most positions the pages in use spanned",
+                                value=c.peak_positions_in_use)
+        yield GaugeMetricFamily("k2trt:cache_peak_positions_held", "the most positions the running requests held",
+                                value=c.peak_positions_held)
+        yield GaugeMetricFamily("k2trt:kv_cache_usage_perc", "fraction of the cache pages in use",
+                                value=c.pages_in_use / c.pages if c.pages else 0.0)

@@ -84,6 +84,10 @@ class SchedulerThread:
     def running(self) -> int:
         return len(self.scheduler.layout)
 
+    def cache_counters(self):
+        """The scheduler's prefix-cache and page counters (plain integers, read without stopping it)."""
+        return self.scheduler.cache_counters()
+
     def submit(self, request: Request, loop: asyncio.AbstractEventLoop) -> Handle:
         """Queue a checked request (K2Error for a bad one, QueueFull, ShuttingDown) and return its handle."""
         if self._stopping or self.error is not None:

@@ -415,7 +415,11 @@ def _cancel(choices: list[Choice]) -> None:
 
 def _usage(choices: list[Choice]) -> dict:
     prompts = {c.prompt: len(c.request.prompt) for c in choices}
-    return protocol.usage(sum(prompts.values()), sum(len(c.request.token_ids) for c in choices))
+    cached: dict[int, int] = {}  # a prompt counted once, as its choice that computed most of it
+    for c in choices:
+        cached[c.prompt] = min(cached.get(c.prompt, len(c.request.prompt)), c.request.cached_tokens or 0)
+    return protocol.usage(sum(prompts.values()), sum(len(c.request.token_ids) for c in choices),
+                          sum(cached.values()))
 
 
 def _finish_log(choices: list[Choice], rid: str, t0: float, chat: bool) -> None:
