@@ -40,7 +40,9 @@ def tiny_export(tiny_ckpt, tmp_path_factory):
 @pytest.fixture(scope="session")
 def aot_compiled(tmp_path_factory):
     """Every distinct AOT configuration compiled for sm_90 (k2trt/tools/aot_configs.py, real Triton compiles and
-    ptxas, in a process of its own without TRITON_INTERPRET), once per test session: (results, seconds)."""
+    ptxas, in a process of its own without TRITON_INTERPRET, one compiling process per core), once per test
+    session: (results, log, seconds). Results the same code compiled before are read from the machine's AOT cache
+    (k2trt/tools/aot_cache.py: ~/.cache/k2trt/aot, or $K2TRT_AOT_CACHE)."""
     import json
     import subprocess
     import sys

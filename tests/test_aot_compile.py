@@ -5,8 +5,9 @@ must fit the 48 KiB of shared memory an AOT launch gets and the register file, w
 emulation cannot see either (a compile is needed), which is how MoeGateUp float32 W8A16 once needed 73,728 B and
 failed every doctor run, and how 25 INT4 float32 / float16 configurations spilled until their tile rule.
 
-The compiles run once per session (conftest.aot_compiled: k2trt/tools/aot_configs.py, two processes); launches
-that compile to the same code are compiled once (aot.config_key)."""
+The compiles run once per session (conftest.aot_compiled: k2trt/tools/aot_configs.py, a process per core); launches
+that compile to the same code are compiled once (aot.config_key), and once per version of the code that compiles
+them (k2trt/tools/aot_cache.py keeps each result on disk)."""
 
 from __future__ import annotations
 
@@ -129,3 +130,49 @@ def test_int4_fp32_at_a_k_step_of_64_spills():
     words = r.stdout.split()
     shared, stores = int(words[words.index("shared") + 1]), int(words[words.index("spills") + 1])
     assert shared <= aot.AOT_SHARED_LIMIT and stores > 0, r.stdout
+
+
+def test_a_stored_result_is_read_instead_of_compiled_and_a_failure_is_not_stored(tmp_path, monkeypatch):
+    """compile_all with a ResultCache: what the same code compiled before is read back (nothing compiles), a new
+    result is stored whole, a failure is compiled again next time, an unreadable file is a miss."""
+    from k2trt.runtime.trt import aot_moe
+    from k2trt.tools.aot_cache import ResultCache
+
+    ok, bad = (aot_moe.gemm_launch("down", 8, 64, 32, act, 0, 1) for act in ("float32", "bfloat16"))
+    compiled = []
+
+    def fake_compile(job):
+        compiled.append(job[0]["act"])
+        return {"requested": job[0], "chosen": job[0], "error": None if job[0]["act"] == "float32" else "too big",
+                "shared": 1, "threads": 128, "registers": 32, "spill_stores": 0, "spill_loads": 0, "seconds": 0.1}
+
+    monkeypatch.setattr(AC, "_compile_dict", fake_compile)
+    cache = ResultCache(tmp_path, "code-a")
+    first = AC.compile_all([ok, bad], workers=1, cache=cache)
+    assert compiled == ["float32", "bfloat16"] and not any(r.get("cached") for r in first)
+    again = AC.compile_all([ok, bad], workers=1, cache=cache)
+    assert compiled == ["float32", "bfloat16", "bfloat16"]  # only the failure compiled again
+    assert again[0] == {**first[0], "cached": True} and again[1]["error"] == "too big"
+    assert AC.compile_all([ok], workers=1, cache=ResultCache(tmp_path, "code-b"))[0].get("cached") is None
+    for stored in (tmp_path / "code-a").glob("*.json"):
+        stored.write_text("{half")
+    assert AC.compile_all([ok], workers=1, cache=cache)[0].get("cached") is None
+    assert not [p for p in tmp_path.rglob(".*") if p.is_file()]  # no temporaries left behind
+
+
+def test_the_cache_key_follows_every_kernel_source_and_each_files_bytes(tmp_path, monkeypatch):
+    from k2trt.tools import aot_cache
+
+    names = {p.relative_to(p.parents[1]).as_posix() for p in aot_cache.source_files()}
+    assert {"kernels/fp8_linear.py", "kernels/moe.py", "kernels/moe_int4.py", "trt/aot.py", "trt/aot_moe.py",
+            "trt/aot_linear.py", "trt/aot_moe_int4.py", "graphs/fp8.py", "tools/aot_compile.py"} <= names
+    assert "tools/aot_configs.py" not in names  # the table of launches: editing it changes no result
+    kernel = tmp_path / "kernel.py"
+    kernel.write_text("x = 1\n")
+    monkeypatch.setattr(aot_cache, "source_files", lambda roots: [kernel])
+    before = aot_cache.fingerprint()
+    kernel.write_text("x = 2\n")
+    edited = aot_cache.fingerprint()
+    assert edited != before
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "/opt/other/ptxas")
+    assert aot_cache.fingerprint() not in (before, edited)

@@ -3,19 +3,20 @@ architecture, on a CPU (Triton's compiler and its bundled ptxas; no GPU, no Tens
 
 The launches are those of the plugin nodes in the TensorRT-bound graphs (every node kind, every activation dtype,
 both FP8 modes, the tiny and K2 configs with FP8 and with INT4 experts — K2 also in expert ranges, each also split
-for expert parallelism —, every tactic) and of `k2trt doctor`'s
-one-node cases, each made by the
-plugins' own table (runtime/trt/aot_nodes.py). Launches that compile to the same code (aot.config_key) are
-compiled once. For each: the configuration compile_launch settles on (it shrinks until the shared memory fits
+for expert parallelism —, every tactic) and of `k2trt doctor`'s one-node cases, each made by the plugins' own table
+(runtime/trt/aot_nodes.py). Launches that compile to the same code (aot.config_key) are compiled once, on as many
+processes as cores. For each: the configuration compile_launch settles on (it shrinks until the shared memory fits
 aot.AOT_SHARED_LIMIT), its shared memory, and ptxas' registers and spills, which must fit the register file with
-no spill. `--json FILE` writes the results (tests/test_aot_compile.py reads them); the exit status is 1 if any
-configuration does not fit.
+no spill. Each result is kept on disk under a key of the code that compiles it (k2trt/tools/aot_cache.py), so a
+second run compiles only what changed. `--json FILE` writes the results (tests/test_aot_compile.py reads them);
+the exit status is 1 if any configuration does not fit.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -26,9 +27,8 @@ from dataclasses import dataclass
 from k2trt.config import K2Config
 from k2trt.graphs import contracts
 from k2trt.graphs.fp8 import PER_TOKEN_GROUP, WEIGHT_DEQUANT
+from k2trt.tools.aot_compile import ARCH, PTX, _compile_dict, compile_one, launch_dict, launch_from_dict  # noqa: F401
 
-ARCH = 90  # Hopper (H100 / H200): K2's FP8 kernels need sm_89+, and sm_90 is what the project targets
-PTX = 88  # the PTX ISA a CUDA 12.9 driver loads, the newest a cu12 TensorRT is known to take (environment.py)
 CONFIGS = ("tiny", "kimi-k2", "tiny-int4", "kimi-k2-thinking")  # FP8 and INT4 experts (K2-Thinking's)
 MODES = (WEIGHT_DEQUANT, PER_TOKEN_GROUP)
 
@@ -120,7 +120,9 @@ EXPERT_PARALLEL = {"tiny": 2, "tiny-int4": 2, "kimi-k2": 8, "kimi-k2-thinking": 
 EXPERT_PARALLEL_DTYPE = "bfloat16"
 
 
-def all_requests(configs=CONFIGS, dtypes=contracts.ACTIVATION_DTYPES, modes=MODES, cases: bool = True):
+@functools.lru_cache(maxsize=4)  # building K2's graphs takes seconds; the table is the same for the same arguments
+def all_requests(configs=CONFIGS, dtypes=contracts.ACTIVATION_DTYPES, modes=MODES, cases: bool = True
+                 ) -> tuple[Request, ...]:
     out = []
     for act in dtypes:
         for aq in modes:
@@ -132,7 +134,7 @@ def all_requests(configs=CONFIGS, dtypes=contracts.ACTIVATION_DTYPES, modes=MODE
                     out += graph_requests(name, act, aq, expert_parallel=EXPERT_PARALLEL[name])
             if cases:
                 out += case_requests(act, aq)
-    return out
+    return tuple(out)
 
 
 def distinct(requests: list[Request]) -> dict[tuple, Request]:
@@ -145,52 +147,28 @@ def distinct(requests: list[Request]) -> dict[tuple, Request]:
 
 # ---- compiling (in worker processes: TRITON_INTERPRET must be off before triton is imported) ---------------------
 
-def launch_dict(launch) -> dict:
-    return {"type": type(launch).__name__, **dataclasses.asdict(launch)}
-
-
-def launch_from_dict(d: dict):
-    from k2trt.runtime.trt import aot_linear, aot_moe, aot_moe_int4
-
-    classes = {c.__name__: c for c in (aot_linear.LinearLaunch, aot_moe.GemmLaunch, aot_moe.AlignLaunch,
-                                       aot_moe.CombineLaunch, aot_moe_int4.Int4GemmLaunch)}
-    fields = dict(d)
-    return classes[fields.pop("type")](**fields)
-
-
-def compile_one(launch, arch: int = ARCH, ptx: int | None = PTX) -> dict:
-    """Compile a launch as `k2trt build` would (shrinking to fit), then ptxas -v the PTX it hands TensorRT."""
-    from k2trt.runtime.trt import aot
-
-    t0 = time.perf_counter()
-    result = {"requested": launch_dict(launch)}
-    try:
-        chosen, kernel = aot.compile_launch(launch, aot.Target(arch, ptx))
-        usage = aot.ptxas_usage(kernel.ptx, arch)
-        problems = usage.fits(kernel.block_x)
-        result.update(chosen=launch_dict(chosen), shared=kernel.shared, threads=kernel.block_x,
-                      registers=usage.registers, spill_stores=usage.spill_stores, spill_loads=usage.spill_loads,
-                      error="; ".join(problems) or None)
-    except Exception as e:  # noqa: BLE001 - every configuration is reported, then the run fails
-        result.update(chosen=None, error=f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
-    result["seconds"] = round(time.perf_counter() - t0, 2)
-    return result
-
-
-def _compile_dict(args) -> dict:
-    return compile_one(launch_from_dict(args[0]), *args[1:])
-
-
-def compile_all(launches: list, workers: int = 2, arch: int = ARCH, ptx: int | None = PTX, log=None) -> list[dict]:
-    """compile_one for every launch, on `workers` processes (each compile is one core's work)."""
+def compile_all(launches: list, workers: int = 2, arch: int = ARCH, ptx: int | None = PTX, log=None,
+                cache=None) -> list[dict]:
+    """compile_one for every launch, on `workers` processes (each compile is one core's work); with a
+    ResultCache (aot_cache.py), a launch compiled before by the same code is read, not compiled, and each new
+    result is stored (marked "cached": true when read)."""
     import multiprocessing
 
     jobs = [(launch_dict(x), arch, ptx) for x in launches]
-    if workers <= 1:
-        results = [_compile_dict(j) for j in jobs]
+    results: list[dict | None] = [cache.get(j) if cache is not None else None for j in jobs]
+    for r in results:
+        if r is not None:
+            r["cached"] = True
+    missing = [i for i, r in enumerate(results) if r is None]
+    if len(missing) <= 1 or workers <= 1:
+        compiled = [_compile_dict(jobs[i]) for i in missing]
     else:
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            results = list(pool.map(_compile_dict, jobs))
+        with ProcessPoolExecutor(min(workers, len(missing)), mp_context=multiprocessing.get_context("spawn")) as pool:
+            compiled = list(pool.map(_compile_dict, [jobs[i] for i in missing]))
+    for i, r in zip(missing, compiled):
+        results[i] = r
+        if cache is not None and not r["error"]:  # a failure is compiled again, so its message is always today's
+            cache.put(jobs[i], r)
     if log:
         for r in results:
             log(result_line(r))
@@ -231,7 +209,9 @@ def result_line(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m k2trt.tools.aot_configs", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="write every configuration's result here")
-    p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="compiling processes (default: the cores)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="compile every configuration, reading and writing no stored result (k2trt/tools/aot_cache.py)")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     p.add_argument("--dtypes", nargs="+", default=list(contracts.ACTIVATION_DTYPES),
                    choices=contracts.ACTIVATION_DTYPES)
@@ -240,11 +220,15 @@ def main(argv: list[str] | None = None) -> int:
         print("aot_configs: compiles for the GPU; run it without TRITON_INTERPRET=1", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    requests = all_requests(args.configs, args.dtypes)
+    requests = all_requests(tuple(args.configs), tuple(args.dtypes))
     unique = distinct(requests)
+    from k2trt.tools.aot_cache import ResultCache
+
+    cache = None if args.no_cache else ResultCache()
     print(f"{len(requests)} launches, {len(unique)} distinct configurations; compiling for sm_{ARCH} "
-          f"on {args.workers} processes", flush=True)
-    results = compile_all([r.launch for r in unique.values()], args.workers, log=lambda s: print(s, flush=True))
+          f"on {args.workers} processes" + ("" if cache is None else f", results kept in {cache.folder}"), flush=True)
+    results = compile_all([r.launch for r in unique.values()], args.workers, log=lambda s: print(s, flush=True),
+                          cache=cache)
     for r, req in zip(results, unique.values()):
         r["first_request"] = req.label
     failed = [r for r in results if r["error"]]
@@ -252,8 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         from k2trt.atomic import atomic_write_text
 
         atomic_write_text(args.json, json.dumps({"arch": ARCH, "ptx": PTX, "results": results}, indent=1))
-    print(f"{len(results) - len(failed)} of {len(results)} configurations fit "
-          f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    reused = sum(bool(r.get("cached")) for r in results)
+    print(f"{len(results) - len(failed)} of {len(results)} configurations fit ({reused} read from the cache, "
+          f"{time.perf_counter() - t0:.0f} s)", flush=True)
     return 1 if failed else 0
 
 
