@@ -27,7 +27,7 @@ EXTRAS_FOR_DRIVER = $(subst $(space),$(comma),$(strip $(foreach e,$(subst $(comm
 PIPELINE ?=
 PIPE    := $(if $(PIPELINE),--pipeline $(PIPELINE)) $(if $(EP),--expert-parallel $(EP))
 
-.PHONY: install test tiny export generate chat bench bench-stream bench-prefill serve bench-serve engines compare gpu-check doctor clean
+.PHONY: install test test-fast tiny export generate chat bench bench-stream bench-prefill serve bench-serve engines compare gpu-check doctor clean
 
 install: .venv/.installed
 
@@ -38,8 +38,13 @@ install: .venv/.installed
 	$(PY) -m pip install -q -e ".[$(EXTRAS_FOR_DRIVER)]"
 	touch $@
 
+# the whole suite (what CI runs), with its 20 slowest tests in sight; test-fast: the tests not marked slow, the
+# loop to run while working (tests/README.md says what is where)
 test: install
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=20
+
+test-fast: install
+	$(PY) -m pytest -m "not slow" --durations=10
 
 tiny: $(TINY)/config.json
 

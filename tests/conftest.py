@@ -10,10 +10,12 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 
 # Triton kernels run on CPU tensors under its interpreter; set before anything imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
-# Two cores: keep torch from oversubscribing them when pytest-xdist is not used.
+# Keep torch from oversubscribing the cores: at most two threads, and under pytest-xdist the cores shared among
+# its workers (each a process of its own).
 import torch  # noqa: E402
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 import pytest  # noqa: E402
 

@@ -42,13 +42,21 @@ def metric(url: str, name: str, labels: str = "") -> float:
     return float(m.group(1)) if m else 0.0
 
 
+def official_client(url: str) -> openai.OpenAI:
+    """OpenAI's client, retrying nothing (a test sees every error), on a fresh connection per request: a kept-alive
+    one the server closes as idle just as the client reuses it ("Server disconnected without sending a response",
+    seen on a loaded machine) is HTTP/1.1's race, which a client without retries must not run."""
+    http = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0), timeout=HANG_S)
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=HANG_S, http_client=http)
+
+
 class Server(LiveServer):
     """A live `k2trt serve` on the embedded tiny checkpoint, with the official client pointed at it."""
 
     def __init__(self, ckpt, onnx, *extra):
         super().__init__(["--model", str(ckpt), "--onnx", str(onnx), "--served-model-name", "tiny", *extra],
                          startup_s=HANG_S * 1.5)
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=HANG_S)
+        self.client = official_client(self.url)
 
     def stop(self) -> int:
         code = super().stop()
@@ -120,7 +128,7 @@ class InProcessServer:
         self._thread.start()
         wait_until(lambda: self.server.started or not self._thread.is_alive(), "the server to start")
         assert self.server.started, "the in-process server did not start"
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=HANG_S)
+        self.client = official_client(self.url)
 
     @property
     def scheduler(self):
