@@ -208,6 +208,7 @@ def thinking_server(tiny_int4_ckpt, tiny_int4_export):
     assert s.stop() == 0, s.output()
 
 
+@pytest.mark.slow
 def test_a_thinking_template_answers_with_reasoning_content(thinking_server):
     # random weights never close the thinking: all of it is reasoning, as vLLM's kimi_k2 reasoning parser says
     r = chat(thinking_server, max_tokens=10, temperature=0).choices[0].message
@@ -270,6 +271,7 @@ def test_bad_agent_requests_are_400s_naming_the_field(server, body, field):
     assert "\n" not in error["message"]
 
 
+@pytest.mark.slow
 def test_bad_completion_logprobs(server):
     r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "logprobs": 6})
     assert r.status_code == 400 and "logprobs" in r.text

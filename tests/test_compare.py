@@ -59,9 +59,17 @@ def ckpt(tiny_ckpt):
 
 @pytest.fixture(scope="module")
 def passing(tiny_ckpt, tiny_export, tmp_path_factory):
+    """`k2trt compare` run once on the tiny model, saving its polygraphy files: (save dir, exit code, stdout). The
+    tests that read the files get them whichever runs first."""
+    import contextlib
+    import io
+
     save = tmp_path_factory.mktemp("compare-pass")
     args = ["compare", "--model", str(tiny_ckpt), "--onnx", str(tiny_export), "--save-dir", str(save), "--tokens", "8"]
-    return save, args
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(args)
+    return save, rc, out.getvalue()
 
 
 def test_default_layers_and_parsing(ckpt):
@@ -73,10 +81,10 @@ def test_default_layers_and_parsing(ckpt):
         parse_layers("7", cfg)
 
 
-def test_compare_passes_on_tiny_and_saves_polygraphy_files(passing, capsys):
-    save, args = passing
-    assert main(args) == 0
-    out = capsys.readouterr().out
+@pytest.mark.slow
+def test_compare_passes_on_tiny_and_saves_polygraphy_files(passing):
+    save, rc, out = passing
+    assert rc == 0
     table, last = out.strip().rsplit("\n", 1)
     assert last.startswith("compare: all") and "FAIL" not in table
     for block in ("embedding", "dense_block_0", "moe_block_1", "moe_block_2", "moe_block_3", "head"):
@@ -86,10 +94,9 @@ def test_compare_passes_on_tiny_and_saves_polygraphy_files(passing, capsys):
     assert "first-step logits" in table and "greedy tokens 16/16" in table
 
 
+@pytest.mark.slow
 def test_saved_files_recheck_with_the_polygraphy_cli(passing):
-    save, _ = passing
-    if not (save / "dense_block_0" / "command.txt").exists():
-        pytest.skip("runs after test_compare_passes_on_tiny_and_saves_polygraphy_files")
+    save, _, _ = passing
     cmd = (save / "dense_block_0" / "command.txt").read_text().split()
     assert cmd[0] == "polygraphy"
     res = subprocess.run([str(POLYGRAPHY)] + cmd[1:], capture_output=True, text=True, timeout=120)
@@ -97,6 +104,7 @@ def test_saved_files_recheck_with_the_polygraphy_cli(passing):
     assert "PASSED" in res.stdout
 
 
+@pytest.mark.slow
 def test_perturbed_moe_weight_fails_and_names_the_block(ckpt, tiny_ckpt, tiny_export, tmp_path):
     bad = OneTensorScaled(ckpt, 2, "mlp.experts.down_proj.weight_scale_inv", 1.01)
     setup = Setup(weights=ckpt, export_dir=tiny_export, prompts=prompt_ids(tiny_ckpt, None, ckpt.config),
@@ -163,6 +171,7 @@ def test_trt_backend_missing_is_one_clear_line(tiny_ckpt, tiny_export, tmp_path,
         assert rc == 2 and len(err) == 1 and "TensorRT" in err[0]
 
 
+@pytest.mark.slow
 def test_backend_runner_matches_the_golden(passing, ckpt, tiny_export):
     """The polygraphy runner over a runtime Backend (the TensorRT route), here over OrtBackend, reproduces a golden."""
     from polygraphy.comparator import Comparator, RunResults
@@ -171,9 +180,7 @@ def test_backend_runner_matches_the_golden(passing, ckpt, tiny_export):
     from k2trt.runtime.backends.ort import OrtBackend
     from k2trt.tools.compare.polygraphy_support import BackendRunner, quiet
 
-    save, _ = passing
-    if not (save / "moe_block_1" / "inputs.json").exists():
-        pytest.skip("runs after test_compare_passes_on_tiny_and_saves_polygraphy_files")
+    save, _, _ = passing
     feeds = load_json(str(save / "moe_block_1" / "inputs.json"))
     with quiet():
         res = Comparator.run([BackendRunner(OrtBackend(tiny_export, ckpt), "moe_block", 1, name="ort-backend")],

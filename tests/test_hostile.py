@@ -36,6 +36,7 @@ GLOBAL_DAMAGE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(GLOBAL_DAMAGE))
 def test_generate_refuses_the_globals_inspect_refuses(tiny_ckpt, tiny_export, tmp_path, capsys, case):
     name, edit, message = GLOBAL_DAMAGE[case]
@@ -220,7 +221,10 @@ TEMPLATES = {
 }
 
 
-@pytest.mark.parametrize("case", list(TEMPLATES))
+# each case loads the model twice (a second or two); the fast loop keeps the sandbox escape, the rest run in make
+# test ("nested loops" runs until the template's time limit, by design)
+@pytest.mark.parametrize("case", [c if c == "the __class__ escape" else pytest.param(c, marks=pytest.mark.slow)
+                                  for c in TEMPLATES])
 def test_a_hostile_chat_template_is_one_line_and_never_stops_a_plain_prompt(tiny_ckpt, tiny_export, tmp_path,
                                                                              capsys, case):
     import os
@@ -382,6 +386,7 @@ def test_interrupt_while_the_subcommand_imports_is_one_line(tiny_ckpt):
     assert [line for line in err.splitlines() if line.strip()] == ["k2trt generate: interrupted"]
 
 
+@pytest.mark.slow
 def test_a_reader_that_leaves_early_ends_the_command_quietly():
     """`k2trt plan ... | head -1`: the closed pipe is no error of ours — no traceback, no error line."""
     import os
@@ -538,6 +543,7 @@ def test_prefill_memory_of_a_long_prompt_stays_under_its_bound(tiny_ckpt, tiny_e
     assert long["growth"] - long["cache"] <= short["growth"] - short["cache"] + 16 * MB
 
 
+@pytest.mark.slow
 def test_a_long_prefill_shows_progress_on_a_terminal(tiny_ckpt, tiny_export, capsys, monkeypatch):
     import io
     import sys

@@ -33,6 +33,7 @@ def cli(capsys, *argv: str) -> tuple[int, str, str]:
 
 # ---- formats decided from the checkpoint ----------------------------------------------------------------
 
+@pytest.mark.slow
 def test_every_tensor_has_the_format_its_config_gives():
     fp8, thinking = W.weight_formats(K2Config.preset("kimi-k2")), W.weight_formats(K2Config.preset("kimi-k2-thinking"))
     assert {f.kind for f in fp8.values()} == {FP8_BLOCK, BF16}  # lm_head stays bf16 in K2's FP8 checkpoint
@@ -102,6 +103,7 @@ def _ids(capsys, *argv) -> list[int]:
     return json.loads(out)["token_ids"]
 
 
+@pytest.mark.slow
 def test_int4_and_k25_give_the_same_ids_on_every_backend(tiny_int4_ckpt, tiny_k25_ckpt, tiny_int4_export,
                                                           capsys):
     torch_ids = _ids(capsys, "--model", str(tiny_int4_ckpt), "--backend", "torch")
@@ -109,6 +111,7 @@ def test_int4_and_k25_give_the_same_ids_on_every_backend(tiny_int4_ckpt, tiny_k2
     assert _ids(capsys, "--model", str(tiny_k25_ckpt), "--backend", "torch") == torch_ids
 
 
+@pytest.mark.slow
 def test_transformers_with_compressed_tensors_picks_the_same_ids(tiny_int4_ckpt, tiny_int4_export):
     """The outside oracle: transformers' DeepseekV3ForCausalLM reads the INT4 directory itself, compressed-tensors
     decompressing the experts; its greedy ids equal the reference's and ONNX Runtime's."""
@@ -244,6 +247,7 @@ BAD_TENSORS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(BAD_TENSORS))
 def test_damaged_int4_tensors_are_refused_before_any_work(tiny_int4_ckpt, tiny_int4_export, tmp_path, capsys,
                                                           case):
@@ -316,6 +320,7 @@ def test_owner_name_resolves_through_the_hf_cache(tiny_int4_ckpt, tmp_path):
     assert resolve_model(str(tiny_int4_ckpt)) == tiny_int4_ckpt  # a directory is itself
 
 
+@pytest.mark.slow
 def test_the_cli_takes_owner_name_from_hf_hub_cache(tiny_int4_ckpt, tmp_path):
     """As a user runs it: HF_HUB_CACHE picks the cache, offline; an uncached model is one line, exit 2."""
     _cache(tmp_path / "hub", "moonshotai/Kimi-K2-Thinking", tiny_int4_ckpt)
@@ -329,6 +334,7 @@ def test_the_cli_takes_owner_name_from_hf_hub_cache(tiny_int4_ckpt, tmp_path):
     assert done.returncode == 2 and len(lines) == 1 and "hf download moonshotai/Kimi-K2.6" in lines[0], done.stderr
 
 
+@pytest.mark.slow
 def test_compare_covers_int4_blocks(tiny_int4_ckpt, tiny_int4_export, capsys):
     rc, out, err = cli(capsys, "compare", "--model", str(tiny_int4_ckpt), "--onnx", str(tiny_int4_export),
                        "--tokens", "4")

@@ -154,6 +154,7 @@ def test_gemm_tile_bound_covers_any_routing():
 
 # ---------------------------------------------------------------------------------------------- MoE
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("aq", [0, 1])
 def test_moe_matches_reference(experts, dtype, aq):
@@ -173,6 +174,7 @@ ROUTINGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("routing", list(ROUTINGS))
 @pytest.mark.parametrize("aq", [0, 1])
 def test_moe_routing_cases_write_every_output(experts, routing, aq):
@@ -196,6 +198,7 @@ def test_moe_routing_cases_write_every_output(experts, routing, aq):
     _close(y, moe_fp8_reference(x, ids, w, *experts, activation_quant=aq), FLIP)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tactic", sorted(moe.GEMM_TACTICS))
 def test_moe_every_tactic_and_batch_shape(experts, tactic):
     """3-D x, int64 ids, each tile height TensorRT may pick; W8A16 fp32 is exact to summation order."""
@@ -227,6 +230,7 @@ def _stage_inputs(experts, dtype, aq, t=16, k=4, seed=9):
     return x, sp, off, w, h, hs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gate_up_stage(experts, dtype):
     """h against the MoeGateUp reference: W8A16 to one ulp; W8A8 scales to one ulp of x's dtype (the amax is an
@@ -244,6 +248,7 @@ def test_gate_up_stage(experts, dtype):
         assert steps.max() <= 1 and (steps > 0).float().mean() < 0.01  # rare one-step fp8 flips only
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("aq", [0, 1])
 def test_down_and_combine_stages(experts, dtype, aq):

@@ -26,6 +26,10 @@ def _experts(gen, e, n, k, group=G):
     return ref.pack(q), s
 
 
+# float32 runs the FMA path at a small K step: many more interpreted iterations than the 16-bit dot (seconds each)
+DTYPES = [pytest.param(torch.float32, marks=pytest.mark.slow), torch.bfloat16, torch.float16]
+
+
 @pytest.fixture(scope="module")
 def experts():
     """E=16 experts, d=256, I=128: gate, up, down as (packed, scales)."""
@@ -33,7 +37,7 @@ def experts():
     return (*_experts(gen, 16, 128, 256), *_experts(gen, 16, 128, 256), *_experts(gen, 16, 256, 128))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_moe_int4_matches_reference(experts, dtype):
     x = torch.randn(12, 256, generator=torch.Generator().manual_seed(4)).to(dtype)
     ids, w = _routing(12, 16, 4, seed=4)
@@ -43,7 +47,8 @@ def test_moe_int4_matches_reference(experts, dtype):
     assert_close(y, r, TIGHT if dtype == torch.float32 else FLIP)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.slow  # every tactic in every dtype: the sweep (test_moe_int4_matches_reference is the quick check)
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tactic", sorted(moe_int4.INT4_TACTICS))
 def test_every_tactic_and_the_stages(experts, tactic, dtype):
     """3-D x, int64 ids, every tile TensorRT may pick in every activation dtype (each dtype has its own tiles and dot
@@ -91,6 +96,7 @@ def test_tiles_and_dot_modes_follow_the_activation_dtype():
         moe_int4.int4_tiles(4, torch.bfloat16)
 
 
+@pytest.mark.slow
 def test_uneven_dims_and_group_sizes():
     """d and I that are no multiple of the K tile (masked tails), partial N tiles, groups of 8 and 64."""
     gen = torch.Generator().manual_seed(10)
@@ -120,6 +126,7 @@ def test_shapes_are_checked(experts):
         moe_int4.moe_int4(x, ids, w, experts[0].float(), *experts[1:], group_size=G)
 
 
+@pytest.mark.slow
 def test_gpu_check_times_the_int4_moe_beside_the_fp8_one():
     """make gpu-check's INT4 rows, on CPU at tiny shapes: accuracy against the reference, both timings, the bytes
     INT4 experts must read (half a byte per weight, a bf16 scale per 32)."""

@@ -407,6 +407,7 @@ def _exchange_messages(rank: int, port: int, sizes: list[int], out) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_messages_of_any_length_arrive_whole():
     """A step's message is one frame of FRAME bytes, and past it a second part: lengths around the frame's edge
     and far past it arrive whole and in order."""

@@ -57,6 +57,7 @@ def _alone(executor, cases, limits: Limits) -> list[list[int]]:
     return [_run(executor, [case], limits, prefix_cache=False)[0][0] for case in cases]
 
 
+@pytest.mark.slow
 def test_a_reused_prefix_gives_the_tokens_computed_alone(executor):
     """Requests sharing prefixes, each arriving after the one before has written its pages: greedy and seeded,
     the tokens with the prefix cache on equal each request's alone with nothing cached, and the cache was hit."""
@@ -91,6 +92,7 @@ def test_a_conversation_resent_each_turn_reuses_its_last_turn(executor):
         prompt = prompt + req.token_ids + [rnd.randrange(executor.cfg.vocab_size) for _ in range(7)]
 
 
+@pytest.mark.slow
 def test_a_pool_too_small_preempts_and_every_request_keeps_its_tokens(executor):
     """Four slots over a pool of 12 pages of 8 positions, requests that grow to 6 pages each: the newest is
     preempted (parked when decoding, recomputed later), cached pages are evicted under load — never one a running

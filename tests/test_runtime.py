@@ -214,6 +214,7 @@ def test_chat_keeps_history_and_resets(tiny_ckpt, tiny_export, capsys, monkeypat
     assert seen[0].startswith("<|im_system|>system<|im_middle|>You are a helpful assistant<|im_end|>")
 
 
+@pytest.mark.slow
 def test_chat_stop_ends_the_reply_and_the_history_keeps_it_cut(tiny_ckpt, tiny_export, capsys, monkeypatch):
     """`chat --stop STR`: generation ends at the stop string (not at --max-new-tokens), the display is cut before it,
     and the next turn's prompt carries the reply as shown, not the text past the stop."""

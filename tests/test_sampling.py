@@ -109,6 +109,7 @@ def test_sample_rows_picks_what_each_sampler_would():
 
 @pytest.mark.parametrize("degenerate", [["--temperature", "1e-300"], ["--temperature", "1", "--top-p", "1e-300"],
                                         ["--temperature", "1e-40", "--top-k", "3"]])
+@pytest.mark.slow
 def test_degenerate_values_on_the_command_line_generate_the_greedy_tokens(tiny_ckpt, tiny_export, capsys, degenerate):
     def ids(*extra: str) -> list[int]:
         rc = main(["generate", "--model", str(tiny_ckpt), "--onnx", str(tiny_export), "--prompt", "Hello there",

@@ -34,6 +34,7 @@ def complete(server, prompt, max_tokens=12, **kw):
 
 # ---- the API ---------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_completion_equals_generate(server, tiny_ckpt, tiny_export):
     text, reason, n = complete(server, PROMPTS[0], 8, temperature=0)
     out = subprocess.run([sys.executable, "-m", "k2trt.cli", "generate", "--model", str(tiny_ckpt), "--onnx",

@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 from servers import HANG_S, InProcessServer, metric, wait_until
 from k2trt.tools.bench_serve import free_port
@@ -141,6 +142,7 @@ def _serve(*args: str) -> subprocess.CompletedProcess:
                           timeout=HANG_S)
 
 
+@pytest.mark.slow
 def test_start_up_failures_are_one_line_before_the_model_loads(tmp_path):
     """Checked before anything loads: the model path here does not even exist, and each error is still about the
     flag at fault, one line, status 2."""

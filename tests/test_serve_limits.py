@@ -50,6 +50,7 @@ def test_metrics_labels_are_a_fixed_set(tiny_ckpt, tiny_export):
     assert len(series) == 2, series
 
 
+@pytest.mark.slow
 def test_a_request_that_never_arrives_whole_times_out(tiny_ckpt, tiny_export, capfd):
     with InProcessServer(tiny_ckpt, tiny_export, "--read-timeout", "2") as s:
         headers = connect(s.port)  # headers that never end
