@@ -39,12 +39,16 @@ install: .venv/.installed
 	touch $@
 
 # the whole suite (what CI runs), with its 20 slowest tests in sight; test-fast: the tests not marked slow, the
-# loop to run while working (tests/README.md says what is where)
+# loop to run while working. Both on a pytest-xdist worker per core this process may run on (at most 4; JOBS=N
+# to choose), a test file per worker
+# (tests/README.md says what is where); the suite passes without xdist too.
+JOBS    ?= $(shell python3 -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
+XDIST   := -n $(JOBS) --dist loadfile
 test: install
-	$(PY) -m pytest --durations=20
+	$(PY) -m pytest $(XDIST) --durations=20
 
 test-fast: install
-	$(PY) -m pytest -m "not slow" --durations=10
+	$(PY) -m pytest $(XDIST) -m "not slow" --durations=10
 
 tiny: $(TINY)/config.json
 

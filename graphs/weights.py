@@ -60,7 +60,8 @@ class TensorSpec:
         return dtype == self.dtype or dtype in self.also
 
     def renamed(self, name: str) -> "TensorSpec":
-        return replace(self, name=name)
+        # the fields by position, not dataclasses.replace: K2's 400k specs are renamed per table built (seconds)
+        return TensorSpec(name, self.shape, self.dtype, self.kind, self.pack, self.also)
 
 
 def linear_specs(prefix: str, out_features: int, in_features: int, fmt: WeightFormat) -> list[TensorSpec]:
@@ -230,9 +231,14 @@ def shared_expert_specs(cfg: K2Config) -> list[TensorSpec]:
     return _linears(cfg, "moe_block", "mlp.shared_experts.")
 
 
-def expert_specs(cfg: K2Config, expert: int) -> list[TensorSpec]:
+def expert_specs(cfg: K2Config, expert: int, template: list[TensorSpec] | None = None) -> list[TensorSpec]:
+    """One routed expert's tensors (`template`: _routed_template(cfg), made once for a layer's 384)."""
     return [s.renamed(s.name.replace("mlp.experts.", f"mlp.experts.{expert}.", 1))
-            for s in _linears(cfg, "moe_block", "mlp.experts.")]
+            for s in template or _routed_template(cfg)]
+
+
+def _routed_template(cfg: K2Config) -> list[TensorSpec]:
+    return _linears(cfg, "moe_block", "mlp.experts.")
 
 
 def layer_specs(cfg: K2Config, layer: int) -> list[TensorSpec]:
@@ -241,8 +247,9 @@ def layer_specs(cfg: K2Config, layer: int) -> list[TensorSpec]:
     specs = norm_specs(cfg) + attention_specs(cfg, kind)
     if kind == "moe_block":
         specs += router_specs(cfg)
+        template = _routed_template(cfg)
         for e in range(cfg.n_routed_experts):
-            specs += expert_specs(cfg, e)
+            specs += expert_specs(cfg, e, template)
         specs += shared_expert_specs(cfg)
     else:
         specs += dense_mlp_specs(cfg)

@@ -15,7 +15,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch  # noqa: E402
 
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
+torch.set_num_threads(max(1, min(2, len(os.sched_getaffinity(0)) // _WORKERS)))
 
 import pytest  # noqa: E402
 
