@@ -62,6 +62,7 @@ class Checkpoint:
         self._shards: dict[str, SafetensorsFile] = {}
         self._globals = {s.name: s for s in global_specs(config)}
         self._layer_specs: dict[str, dict[str, TensorSpec]] = {}  # block kind -> suffix -> spec
+        self._header_table: dict[str, HeaderSpec] | None = None  # from the shards' headers, read once (as they are)
 
     # ---- opening -------------------------------------------------------------------------------
     @classmethod
@@ -101,6 +102,7 @@ class Checkpoint:
         for f in self._shards.values():
             f.close()
         self._shards.clear()
+        self._header_table = None
 
     def __enter__(self) -> "Checkpoint":
         return self
@@ -187,12 +189,15 @@ class Checkpoint:
 
     # ---- headers and validation -----------------------------------------------------------------
     def _headers(self) -> dict[str, HeaderSpec]:
-        """stored name -> (dtype, shape, shard) for every tensor in every shard, from the headers only."""
-        out: dict[str, HeaderSpec] = {}
-        for shard in sorted(set(self.weight_map.values())):
-            for info in self.shard(shard).infos.values():
-                out[info.name] = HeaderSpec(info.dtype_name, info.shape, shard)
-        return out
+        """stored name -> (dtype, shape, shard) for every tensor in every shard, from the headers only (built once
+        per opening of the shards: validation, inspect and plan each ask; K2 has 200k tensors)."""
+        if self._header_table is None:
+            out: dict[str, HeaderSpec] = {}
+            for shard in sorted(set(self.weight_map.values())):
+                for info in self.shard(shard).infos.values():
+                    out[info.name] = HeaderSpec(info.dtype_name, info.shape, shard)
+            self._header_table = out
+        return self._header_table
 
     def header_specs(self) -> dict[str, HeaderSpec]:
         """The text model's tensors by their names (graphs/weights.py): (dtype, shape, shard), from the headers."""
