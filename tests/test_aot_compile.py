@@ -23,9 +23,9 @@ from k2trt.runtime.trt import aot
 from k2trt.runtime.trt.aot_nodes import AOT_NODES
 from k2trt.tools import aot_configs as AC
 
-pytestmark = pytest.mark.slow
 
 
+@pytest.mark.slow  # compiles (or builds the launch table from K2's graphs)
 def test_the_table_covers_every_plugin_node_kind_dtype_mode_and_config():
     requests = AC.all_requests()
     kinds = {(r.op_type, getattr(r.launch, "act", None), getattr(r.launch, "activation_quant", None))
@@ -46,6 +46,7 @@ def test_the_table_covers_every_plugin_node_kind_dtype_mode_and_config():
         assert {r.tactic for r in requests if r.op_type == op} == set(row.every_tactic())
 
 
+@pytest.mark.slow  # compiles (or builds the launch table from K2's graphs)
 def test_every_distinct_configuration_fits_shared_memory_and_registers(aot_compiled):
     results, log, seconds = aot_compiled
     unique = AC.distinct(AC.all_requests())
@@ -61,6 +62,7 @@ def test_every_distinct_configuration_fits_shared_memory_and_registers(aot_compi
     print(f"{len(results)} configurations compiled in {seconds:.0f} s")
 
 
+@pytest.mark.slow  # compiles (or builds the launch table from K2's graphs)
 def test_moe_gate_up_fp32_w8a16_fits_after_the_tiling_fix(aot_compiled):
     """The issue's certain failure: every MoeGateUp float32 W8A16 tactic now compiles within 48 KiB, unspilled, at
     the FMA K step."""
@@ -74,6 +76,7 @@ def test_moe_gate_up_fp32_w8a16_fits_after_the_tiling_fix(aot_compiled):
     assert {r["chosen"]["block_m"] for r in gate_up} == {16, 32, 64}  # no tactic lost its height
 
 
+@pytest.mark.slow  # compiles (or builds the launch table from K2's graphs)
 def test_the_old_tiling_does_not_fit():
     """What the fix changed: at K steps of 128 (the tiling before it) even the smallest MoeGateUp float32 W8A16
     configuration — 16 rows, one stage — needs 73,728 B of shared memory, so compile_launch finds none."""
@@ -95,6 +98,7 @@ def test_the_old_tiling_does_not_fit():
     assert "refused: moe_gate_up_384x2048x7168: no tile config fits in 48 KiB" in r.stdout
 
 
+@pytest.mark.slow  # compiles (or builds the launch table from K2's graphs)
 def test_every_int4_configuration_fits_as_its_tile_rule_chose_it(aot_compiled):
     """The INT4 GEMMs (MoeGateUpInt4, MoeDownInt4) in float32, bfloat16 and float16, every tactic, at the tiny and
     K2-Thinking shapes and doctor's: each fits as moe_int4.int4_tiles chose it — compile_launch shrank nothing — so
@@ -113,6 +117,7 @@ def test_every_int4_configuration_fits_as_its_tile_rule_chose_it(aot_compiled):
     assert {r["chosen"]["block_k"] for r in int4 if r["requested"]["act"] == "float32"} == {FMA_BLOCK_K}
 
 
+@pytest.mark.slow  # compiles (or builds the launch table from K2's graphs)
 def test_int4_fp32_at_a_k_step_of_64_spills():
     """What the INT4 tile rule changed for float32: the FMA dot's fp32 operand tiles at the 16-bit K step of 64
     spill even at the smallest tactic (16 rows), with shared memory to spare."""

@@ -36,6 +36,7 @@ def test_experts_are_stacked_as_transformers_names_them():
     assert torch.equal(state["mlp.experts.gate_up_proj"][:, 4:], up)
 
 
+@pytest.mark.slow
 def test_bench_reports_every_row_against_both_baselines(tiny_ckpt, tiny_export, capsys):
     rc = main(["bench", "--model", str(tiny_ckpt), "--onnx", str(tiny_export), *BENCH])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -27,8 +27,11 @@ from k2trt.graphs.rope import rope_tables
 from k2trt.runtime.backends.ort import OrtBackend
 
 TINY = K2Config.preset("tiny")
-TINY_INT4 = K2Config.preset("tiny-int4")
 TOL = 1e-4
+
+
+def tiny_int4():  # called in the tests that need it: parsing an INT4 config imports compressed-tensors (seconds)
+    return K2Config.preset("tiny-int4")
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +139,7 @@ def _follows_contract(node, seen: set) -> None:
 
 def test_custom_nodes_follow_their_contracts():
     seen = set()
-    for cfg in (TINY, TINY_INT4):
+    for cfg in (TINY, tiny_int4()):
         for kind in ("moe_block", *MOE_PART_KINDS):
             for node in build_block_graph(cfg, kind, experts=96).graph.node:
                 if node.domain == contracts.NAMESPACE:
@@ -149,7 +152,7 @@ def test_trt_graphs_hold_one_plugin_per_kernel(act, aq):
     """The TensorRT-bound form: MoeFp8 expanded, every custom node a TensorRT contract, dtypes as the contract
     says for this activation dtype and FP8 mode (shape inference runs through the annotations)."""
     seen = set()
-    for cfg in (TINY, TINY_INT4):
+    for cfg in (TINY, tiny_int4()):
         model = split_moe(build_block_graph(cfg, "moe_block", act, aq))
         check_trt_operators(model, "trt/moe_block")
         types = {name: t.elem_type for name, t in value_types(model).items()}

@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 from servers import HANG_S, InProcessServer, metric, wait_until
 from k2trt.tools.bench_serve import free_port
@@ -77,6 +78,7 @@ def test_a_client_that_leaves_is_cancelled_waiting_prefilling_or_decoding(tiny_c
                    "the two 499s to be counted")
 
 
+@pytest.mark.slow
 def test_a_place_in_the_queue_is_free_as_soon_as_its_client_leaves(tiny_ckpt, tiny_export):
     """The queue holds one: while the only slot stays held at the gate, a third request is 429; the waiting
     client leaves; a fourth is accepted at once — before the scheduler has run another iteration."""
