@@ -4,7 +4,10 @@
 fresh child process (the tiny checkpoint through ONNX Runtime unless --model/--onnx say otherwise) and reports the
 child's peak RSS growth during the prefill — the high-water mark is reset just before it — against the bound:
 
-    latent cache (it must hold the prompt) + (3 x heads + 4) x 4 bytes x mask budget + 16 MiB (SLACK)
+    latent cache + (3 x heads + 4) x 4 bytes x mask budget + 16 MiB (SLACK)
+
+where the latent cache is the most the paged cache's pools held at once (it must hold the prompt, and while a pool
+grows it holds the old pool beside the new one: PagedLatentCache.peak_bytes).
 
 The scheduler shrinks a prompt's chunks so that a step's mask stays under the budget (runtime/generation/limits.py,
 MASK_BUDGET elements); a step's attention holds a few float32 tensors of heads x mask elements (scores,
@@ -51,23 +54,19 @@ CHILD = textwrap.dedent("""
     base, t0 = status("VmHWM"), time.perf_counter()
     gen.generate([prompt], 1, on_prefill=lambda r: chunks.append(r.fed))
     print(json.dumps({"budget": gen.limits.mask_budget, "tokens": n, "chunks": len(chunks),
-                      "capacity": gen.scheduler.capacity, "growth": status("VmHWM") - base,
+                      "cache": gen.executor.cache.peak_bytes, "growth": status("VmHWM") - base,
                       "seconds": time.perf_counter() - t0}))
 """)
 
 
-def cache_bytes(cfg: K2Config, capacity: int, itemsize: int = 4) -> int:
-    """The latent cache of one sequence: every layer's [capacity, kv_lora + rope] (float32 on ONNX Runtime)."""
-    return cfg.num_hidden_layers * capacity * cfg.latent_dim * itemsize
-
-
-def bound(cfg: K2Config, capacity: int, mask_budget: int) -> int:
-    return cache_bytes(cfg, capacity) + (3 * cfg.num_attention_heads + 4) * 4 * mask_budget + SLACK
+def bound(cfg: K2Config, cache: int, mask_budget: int) -> int:
+    """cache: the bytes the latent cache held at most (the child measures PagedLatentCache.peak_bytes)."""
+    return cache + (3 * cfg.num_attention_heads + 4) * 4 * mask_budget + SLACK
 
 
 def measure(model: Path, onnx: Path, lengths: list[int], mask_budget: int | None = None) -> list[dict]:
     """Prefill each length in a fresh child process (so no length reuses memory another one grew); per length:
-    chunks, cache capacity, peak RSS growth in bytes, seconds, and the bound."""
+    chunks, the latent cache's most bytes, peak RSS growth in bytes, seconds, and the bound."""
     cfg = K2Config.from_json(model)
     rows = []
     for n in lengths:
@@ -76,7 +75,7 @@ def measure(model: Path, onnx: Path, lengths: list[int], mask_budget: int | None
         if proc.returncode != 0:
             raise RuntimeError(f"prefill child failed: {proc.stderr.strip().splitlines()[-1]}")
         r = json.loads(proc.stdout.strip().splitlines()[-1])
-        rows.append({**r, "cache": cache_bytes(cfg, r["capacity"]), "bound": bound(cfg, r["capacity"], r["budget"])})
+        rows.append({**r, "bound": bound(cfg, r["cache"], r["budget"])})
     return rows
 
 

@@ -51,6 +51,7 @@ class PagedLatentCache:
         self.pages = 0
         self.tensors = {layer: self._empty(0) for layer in self.layers}
         self.step_buffer: torch.Tensor | None = None  # the gathered cache, one buffer for every layer and step
+        self.peak_bytes = 0  # the most the pools held at once: a growth holds the old pools and the new ones
     def _empty(self, pages: int) -> torch.Tensor:
         # zeros, not uninitialized memory: a masked position gets probability exactly 0, and 0 * NaN would be NaN;
         # a gathered position past a sequence's pages reads row 0, whatever it holds, always finite
@@ -66,11 +67,13 @@ class PagedLatentCache:
             return
         pages = max(pages, self.pages + -(-self.pages // 8))
         held = self.pages * self.page_tokens  # rows of pages named before (the first pool's placeholder: none)
+        before = self.bytes
         for layer, old in self.tensors.items():
             new = self._empty(pages)
             new[:held] = old[:held]
             self.tensors[layer] = new
         self.pages = pages
+        self.peak_bytes = max(self.peak_bytes, before + self.bytes)  # at worst every old pool outlives the copy
 
     def gather(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         """The step's cache of one layer, [B, P, latent], from its flat rows [B, P] (StepTensors.gather_rows), into
