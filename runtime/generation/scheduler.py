@@ -413,7 +413,7 @@ class Scheduler:
         (it spans the cache's capacity, so long prompts and long neighbours make smaller chunks)."""
         chunk = self.limits.prefill_chunk
         while chunk > 16:
-            need = max(r.cached + min(chunk, len(r.prompt) - r.fed) for r in reqs)
+            need = max(r.cached + min(chunk, len(r.feed) - r.fed) for r in reqs)
             if len(reqs) * chunk * (self._capacity_for(need) + chunk) <= self.limits.mask_budget:
                 break
             chunk //= 2
