@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from k2trt.config import K2Config
 from k2trt.graphs import contracts
 from k2trt.graphs.fp8 import PER_TOKEN_GROUP, WEIGHT_DEQUANT
-from k2trt.tools.aot_compile import ARCH, PTX, _compile_dict, compile_one, launch_dict, launch_from_dict  # noqa: F401
+from k2trt.tools.aot_compile import ARCH, PTX, _compile_dict, launch_dict, launch_from_dict
 
 CONFIGS = ("tiny", "kimi-k2", "tiny-int4", "kimi-k2-thinking")  # FP8 and INT4 experts (K2-Thinking's)
 MODES = (WEIGHT_DEQUANT, PER_TOKEN_GROUP)
@@ -209,7 +209,8 @@ def result_line(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m k2trt.tools.aot_configs", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="write every configuration's result here")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="compiling processes (default: the cores)")
+    p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
+                   help="compiling processes (default: the cores this process may run on)")
     p.add_argument("--no-cache", action="store_true",
                    help="compile every configuration, reading and writing no stored result (k2trt/tools/aot_cache.py)")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
