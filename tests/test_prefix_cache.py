@@ -180,10 +180,12 @@ def test_the_server_reports_cached_tokens_and_refuses_a_request_larger_than_the_
         assert again["choices"][0]["text"] == first["choices"][0]["text"]
         assert metric(s.url, "k2trt:prefix_cache_hits_total") == PAGE_TOKENS
         assert metric(s.url, "k2trt:prefix_cache_queries_total") == 2 * len(prompt)
-        assert metric(s.url, "k2trt:cache_pages") == 4
+        assert metric(s.url, "k2trt:cache_pages_total") == 4
+        assert metric(s.url, "k2trt:cache_page_tokens") == PAGE_TOKENS
+        assert metric(s.url, "k2trt:num_preemptions_total") == 0
         assert metric(s.url, "k2trt:prefix_cache_hit_ratio") == pytest.approx(PAGE_TOKENS / (2 * len(prompt)))
         assert metric(s.url, "k2trt:cache_positions_held") == 0
-        assert metric(s.url, "k2trt:cache_pages_in_use") == 0  # nothing running: the cached page is free to evict
+        assert metric(s.url, "k2trt:cache_pages_used") == 0  # nothing running: the cached page is free to evict
 
         r = httpx.post(s.url + "/v1/completions", json={**body, "prompt": list(range(3, 3 + 3 * PAGE_TOKENS)),
                                                          "max_tokens": PAGE_TOKENS + 1}, timeout=120)

@@ -169,9 +169,11 @@ class CacheCounters:
     positions_held: int = 0
     peak_positions_in_use: int = 0  # the most since start, each after a step wrote its positions
     peak_positions_held: int = 0
+    page_tokens: int = 0  # the same in every lane: kept, not summed
 
     def __add__(self, other: "CacheCounters") -> "CacheCounters":
-        return CacheCounters(*(a + b for a, b in zip(astuple(self), astuple(other))))
+        summed = CacheCounters(*(a + b for a, b in zip(astuple(self), astuple(other))))
+        return replace(summed, page_tokens=max(self.page_tokens, other.page_tokens))
 
 
 class Scheduler:
@@ -220,7 +222,7 @@ class Scheduler:
 
     def cache_counters(self) -> CacheCounters:
         in_use = self.pool.in_use
-        return replace(self.counters, pages_in_use=in_use, pages=self.pool.pages,
+        return replace(self.counters, pages_in_use=in_use, pages=self.pool.pages, page_tokens=self.pool.page_tokens,
                        positions_in_use=in_use * self.pool.page_tokens,
                        positions_held=sum(r.cached for r in list(self.layout.order)))
 

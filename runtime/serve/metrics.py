@@ -69,6 +69,32 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+# (kind, name, help, value from the counters): the issue's and vLLM's names; a ratio is 0 before its denominator is.
+_CACHE_FAMILIES = (
+    (CounterMetricFamily, "k2trt:prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+     lambda c: c.queried_tokens),
+    (CounterMetricFamily, "k2trt:prefix_cache_hits", "prompt tokens found in the prefix cache (not computed)",
+     lambda c: c.hit_tokens),
+    (CounterMetricFamily, "k2trt:num_preemptions", "requests preempted for want of cache pages",
+     lambda c: c.preemptions),
+    (GaugeMetricFamily, "k2trt:cache_pages_total", "latent-cache pages in the pool", lambda c: c.pages),
+    (GaugeMetricFamily, "k2trt:cache_pages_used", "latent-cache pages some request holds", lambda c: c.pages_in_use),
+    (GaugeMetricFamily, "k2trt:cache_page_tokens", "positions one page holds", lambda c: c.page_tokens),
+    (GaugeMetricFamily, "k2trt:kv_cache_usage_perc", "fraction of the cache pages in use",
+     lambda c: c.pages_in_use / c.pages if c.pages else 0.0),
+    (GaugeMetricFamily, "k2trt:prefix_cache_hit_ratio", "prompt tokens found over prompt tokens looked up",
+     lambda c: c.hit_tokens / c.queried_tokens if c.queried_tokens else 0.0),
+    (GaugeMetricFamily, "k2trt:cache_positions_in_use", "positions the pages in use span",
+     lambda c: c.positions_in_use),
+    (GaugeMetricFamily, "k2trt:cache_positions_held", "positions the running requests hold in the cache",
+     lambda c: c.positions_held),
+    (GaugeMetricFamily, "k2trt:cache_peak_positions_in_use", "the most positions the pages in use spanned",
+     lambda c: c.peak_positions_in_use),
+    (GaugeMetricFamily, "k2trt:cache_peak_positions_held", "the most positions the running requests held",
+     lambda c: c.peak_positions_held),
+)
+
+
 class _CacheCollector:
     """The scheduler's prefix-cache and pool counters at scrape time (vLLM's names: prefix_cache_queries and
     prefix_cache_hits in tokens, num_preemptions, kv_cache_usage_perc as a fraction of the pages)."""
@@ -78,24 +104,5 @@ class _CacheCollector:
 
     def collect(self):
         c = self.scheduler_thread.cache_counters()
-        yield CounterMetricFamily("k2trt:prefix_cache_queries", "prompt tokens looked up in the prefix cache",
-                                  value=c.queried_tokens)
-        yield CounterMetricFamily("k2trt:prefix_cache_hits", "prompt tokens found in the prefix cache (not computed)",
-                                  value=c.hit_tokens)
-        yield CounterMetricFamily("k2trt:num_preemptions", "requests preempted for want of cache pages",
-                                  value=c.preemptions)
-        yield GaugeMetricFamily("k2trt:cache_pages_in_use", "latent-cache pages some request holds",
-                                value=c.pages_in_use)
-        yield GaugeMetricFamily("k2trt:cache_pages", "latent-cache pages in the pool", value=c.pages)
-        yield GaugeMetricFamily("k2trt:prefix_cache_hit_ratio", "prompt tokens found over prompt tokens looked up",
-                                value=c.hit_tokens / c.queried_tokens if c.queried_tokens else 0.0)
-        yield GaugeMetricFamily("k2trt:cache_positions_in_use", "positions the pages in use span",
-                                value=c.positions_in_use)
-        yield GaugeMetricFamily("k2trt:cache_positions_held", "positions the running requests hold in the cache",
-                                value=c.positions_held)
-        yield GaugeMetricFamily("k2trt:cache_peak_positions_in_use", "the most positions the pages in use spanned",
-                                value=c.peak_positions_in_use)
-        yield GaugeMetricFamily("k2trt:cache_peak_positions_held", "the most positions the running requests held",
-                                value=c.peak_positions_held)
-        yield GaugeMetricFamily("k2trt:kv_cache_usage_perc", "fraction of the cache pages in use",
-                                value=c.pages_in_use / c.pages if c.pages else 0.0)
+        for family, name, help_text, value in _CACHE_FAMILIES:
+            yield family(name, help_text, value=value(c))
