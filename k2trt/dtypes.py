@@ -11,7 +11,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from onnx import TensorProto
+
+# DataType's numbers (onnx/onnx.proto, fixed by the spec), written out: importing onnx costs a process
+# ~0.7 s (ml_dtypes) and a runtime that only runs graphs never needs it. tests/test_dtypes.py checks them.
+FLOAT, UINT8, INT8, UINT16, INT16, INT32, INT64, BOOL, FLOAT16, DOUBLE, UINT32, UINT64 = 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13
+BFLOAT16, FLOAT8E4M3FN, FLOAT8E5M2 = 16, 17, 19
 
 
 @dataclass(frozen=True)
@@ -29,21 +33,21 @@ class DType:
 
 
 _ALL = (
-    DType("float32", torch.float32, TensorProto.FLOAT, "F32", np.float32, "FLOAT"),
-    DType("float16", torch.float16, TensorProto.FLOAT16, "F16", np.float16, "HALF"),
-    DType("bfloat16", torch.bfloat16, TensorProto.BFLOAT16, "BF16", None, "BF16"),
-    DType("float8_e4m3fn", torch.float8_e4m3fn, TensorProto.FLOAT8E4M3FN, "F8_E4M3", None, "FP8"),
-    DType("float8_e5m2", torch.float8_e5m2, TensorProto.FLOAT8E5M2, "F8_E5M2", None, None),
-    DType("float64", torch.float64, TensorProto.DOUBLE, "F64", np.float64, None),
-    DType("int8", torch.int8, TensorProto.INT8, "I8", np.int8, "INT8"),
-    DType("uint8", torch.uint8, TensorProto.UINT8, "U8", np.uint8, "UINT8"),
-    DType("int16", torch.int16, TensorProto.INT16, "I16", np.int16, None),
-    DType("uint16", torch.uint16, TensorProto.UINT16, "U16", np.uint16, None),
-    DType("int32", torch.int32, TensorProto.INT32, "I32", np.int32, "INT32"),
-    DType("uint32", torch.uint32, TensorProto.UINT32, "U32", np.uint32, None),
-    DType("int64", torch.int64, TensorProto.INT64, "I64", np.int64, "INT64"),
-    DType("uint64", torch.uint64, TensorProto.UINT64, "U64", np.uint64, None),
-    DType("bool", torch.bool, TensorProto.BOOL, "BOOL", np.bool_, "BOOL"),
+    DType("float32", torch.float32, FLOAT, "F32", np.float32, "FLOAT"),
+    DType("float16", torch.float16, FLOAT16, "F16", np.float16, "HALF"),
+    DType("bfloat16", torch.bfloat16, BFLOAT16, "BF16", None, "BF16"),
+    DType("float8_e4m3fn", torch.float8_e4m3fn, FLOAT8E4M3FN, "F8_E4M3", None, "FP8"),
+    DType("float8_e5m2", torch.float8_e5m2, FLOAT8E5M2, "F8_E5M2", None, None),
+    DType("float64", torch.float64, DOUBLE, "F64", np.float64, None),
+    DType("int8", torch.int8, INT8, "I8", np.int8, "INT8"),
+    DType("uint8", torch.uint8, UINT8, "U8", np.uint8, "UINT8"),
+    DType("int16", torch.int16, INT16, "I16", np.int16, None),
+    DType("uint16", torch.uint16, UINT16, "U16", np.uint16, None),
+    DType("int32", torch.int32, INT32, "I32", np.int32, "INT32"),
+    DType("uint32", torch.uint32, UINT32, "U32", np.uint32, None),
+    DType("int64", torch.int64, INT64, "I64", np.int64, "INT64"),
+    DType("uint64", torch.uint64, UINT64, "U64", np.uint64, None),
+    DType("bool", torch.bool, BOOL, "BOOL", np.bool_, "BOOL"),
 )
 
 DTYPES: dict[str, DType] = {d.name: d for d in _ALL}

@@ -9,12 +9,14 @@ cache [B, P, kv_lora + rope], passed in place (never copied); the runtime writes
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 
-import onnx
 import torch
 
 from k2trt.config import K2Config
+
+if TYPE_CHECKING:  # onnx costs a process ~0.7 s to import (ml_dtypes); a backend that runs graphs never needs it
+    import onnx
 
 
 class WeightSource(Protocol):

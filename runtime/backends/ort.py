@@ -7,14 +7,12 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
-import onnx
 import torch
-from onnx import TensorProto
 
-from k2trt.dtypes import torch_dtype
+from k2trt.dtypes import DTYPES, torch_dtype
 from k2trt.errors import K2Error, MissingDependency
 from k2trt.config import BLOCK_KINDS, MOE_PART_KINDS
 from k2trt.export_manifest import (check_expert_parallel_export, check_matches, graph_file, graph_path,
@@ -24,6 +22,9 @@ from k2trt.graphs.mask import MASK_NEG
 from k2trt.runtime.backends.contract import (BackendLimits, Progress, WeightSource, bound_kinds,
                                             prepare_each)
 from k2trt.runtime.backends.graph_weights import graph_weights, source_names
+
+if TYPE_CHECKING:  # imported where a model proto is made: running graphs never needs onnx (~0.7 s a process)
+    import onnx
 
 
 STEP_SHARED_INPUTS = ("rope_cos", "rope_sin", "attention_mask")  # one tensor each per step, fed to every block
@@ -42,7 +43,8 @@ def ort_value(t: torch.Tensor):
     ort = _ort()
     t = t.contiguous()
     if t.dtype == torch.float8_e4m3fn:
-        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(t.view(torch.uint8).numpy(), TensorProto.FLOAT8E4M3FN)
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(t.view(torch.uint8).numpy(),
+                                                               DTYPES["float8_e4m3fn"].onnx)
     return ort.OrtValue.ortvalue_from_numpy(t.numpy())
 
 
@@ -62,6 +64,8 @@ def session_options(threads: int | None = None):
 def bind_weights(model: onnx.ModelProto, tensors: dict[str, torch.Tensor]) -> onnx.ModelProto:
     """A copy of `model` whose inputs named in `tensors` are initializers holding those values, stored as the
     input's declared element type (float8 as its bytes)."""
+    import onnx
+
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
@@ -161,6 +165,8 @@ class OrtBackend:
         return self._layer(layer if kind in BLOCK_KINDS else (kind, layer), kind, layer)
 
     def standalone_onnx(self, kind: str, layer: int | None) -> onnx.ModelProto:
+        import onnx
+
         model = onnx.load(str(graph_path(self.export_dir, self.entries[kind])))
         return bind_weights(model, self._prepared_weights(kind, layer))
 
