@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from k2trt.config import K2Config
+from k2trt.dtypes import DTYPES
 from k2trt.files import member, read_json_object, regular_file
 from k2trt.graphs.weights import (SHAPE, TensorSpec, assemble_block_weights, checkpoint_specs, global_specs,
                                   layer_prefix, layer_specs, weight_formats)
@@ -44,8 +45,6 @@ class HeaderSpec(NamedTuple):
 
 
 def _nbytes(dtype: str, shape) -> int:
-    from k2trt.dtypes import DTYPES
-
     n = DTYPES[dtype].itemsize if dtype in DTYPES else 0
     for d in shape:
         n *= d

@@ -58,9 +58,14 @@ class Row:
 
 
 def _row(section: str, component: str, instances: Instances) -> Row:
-    per = {parameter_count(specs) for _, specs in instances}
+    counted: dict[int, tuple[int, int]] = {}  # id(specs) -> (parameters, bytes): one list serves many layers
+    for _, specs in instances:
+        if id(specs) not in counted:
+            counted[id(specs)] = (parameter_count(specs), stored_bytes(specs))
+    each = [counted[id(specs)] for _, specs in instances]
+    per = {params for params, _ in each}
     return Row(section, component, per.pop() if len(per) == 1 else None, len(instances),
-               sum(parameter_count(s) for _, s in instances), sum(stored_bytes(s) for _, s in instances), instances)
+               sum(params for params, _ in each), sum(size for _, size in each), instances)
 
 
 def _pick(specs: list[TensorSpec], *parts: str) -> list[TensorSpec]:
@@ -127,16 +132,19 @@ def cross_check(rows: list[Row], ckpt) -> list[str]:
     """Fill each row's headers_total and headers_bytes; return every difference (rows, then tensor-level
     problems). Parameters are counted from the headers as the weight table counts them (INT4 words unpacked)."""
     headers = ckpt.header_specs()
+    counted: dict[str, tuple[int, int]] = {}  # name -> (bytes, parameters): a tensor is in several rows (K2: 4)
     diffs: list[str] = []
     for row in rows:
         row.headers_total = row.headers_bytes = 0
         for name, spec in row.tensors():
-            h = headers.get(name)
-            if h is None:
-                continue
-            row.headers_bytes += h.nbytes
-            if spec.kind == PARAM:
-                row.headers_total += _numel(h.shape) * spec.pack
+            c = counted.get(name)
+            if c is None:
+                h = headers.get(name)
+                if h is None:
+                    continue
+                c = counted[name] = (h.nbytes, _numel(h.shape) * spec.pack if spec.kind == PARAM else 0)
+            row.headers_bytes += c[0]
+            row.headers_total += c[1]
         if row.headers_total != row.total:
             diffs.append(f"{row.section} / {row.component}: config {row.total:,}, headers {row.headers_total:,}")
     return diffs + ckpt.problems()
