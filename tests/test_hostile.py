@@ -532,18 +532,21 @@ def test_two_exports_into_one_directory_never_mix(tiny_ckpt, tmp_path):
 def test_prefill_memory_of_a_long_prompt_stays_under_its_bound(tiny_ckpt, tiny_export):
     """A mask budget of 2**19 elements (1/8 of the default) makes chunks shrink within seconds on the tiny model;
     the bound scales with the budget (k2trt/tools/prefill_bench.py states it; `make bench-prefill` runs the
-    default budget on longer prompts)."""
+    default budget on longer prompts). Twice the prompt, the step's working memory does not grow: its largest
+    mask stays under the budget, counted exactly — not by comparing two children's RSS growth, which a child's
+    allocator makes differ by the ~20 MB of freed heap it may or may not reuse for the cache."""
     from k2trt.tools.prefill_bench import MB, measure
 
     rows = measure(tiny_ckpt, tiny_export, [1536, 3072], mask_budget=1 << 19)
     for r in rows:
         print(f"{r['tokens']} tokens in {r['chunks']} chunks: +{r['growth'] / MB:.0f} MB "
-              f"(cache {r['cache'] / MB:.0f} MB, bound {r['bound'] / MB:.0f} MB)")
+              f"(cache {r['cache'] / MB:.0f} MB, bound {r['bound'] / MB:.0f} MB, largest mask {r['mask']:,})")
         assert r["growth"] <= r["bound"]
+        assert 0 < r["mask"] <= r["budget"] == 1 << 19
     short, long = rows
     assert long["chunks"] > 2 * 3072 // 512  # the budget shrank the chunks (512 tokens each without it)
-    # twice the prompt: the cache grows with it, the working memory of a step does not
-    assert long["growth"] - long["cache"] <= short["growth"] - short["cache"] + 16 * MB
+    # twice the prompt: the cache grows with it (its pools' bytes, exactly); the step's mask did not (above)
+    assert long["cache"] > 1.8 * short["cache"]
 
 
 @pytest.mark.slow
