@@ -240,3 +240,23 @@ def test_pipeline_and_expert_parallel_stages_reuse_the_prefix_rank_0_found(tiny_
         assert cached[0] == 0 and all(c >= 128 for c in cached[1:]), cached
     finally:
         assert s.stop() == 0, s.output()
+
+
+def test_generate_reports_the_prompt_tokens_it_reused(tiny_ckpt, tiny_export, capsys):
+    """`generate --json` names each result's cached prompt tokens; one generator asked twice (as chat's turns
+    are) reuses the first prompt's full pages the second time, and the tokens do not change."""
+    import json
+
+    from k2trt.cli import main
+    from k2trt.runtime.generation.generator import Generator
+
+    assert main(["generate", "--model", str(tiny_ckpt), "--onnx", str(tiny_export), "--json",
+                 "--max-new-tokens", "2", "--prompt", "word " * 150]) == 0
+    assert json.loads(capsys.readouterr().out)["cached_tokens"] == 0
+    ckpt = Checkpoint.open(tiny_ckpt)
+    gen = Generator(open_backend(BackendChoice("ort", tiny_export), ckpt), ckpt.config)
+    prompt = list(range(3, 3 + 150))
+    [first], _ = gen.generate([prompt], 4)
+    [again], _ = gen.generate([prompt], 4)
+    assert first.cached_tokens == 0 and again.cached_tokens == (len(prompt) - 1) // 64 * 64 == 128
+    assert again.token_ids == first.token_ids

@@ -209,7 +209,8 @@ def run(args) -> int:
     t = timings.as_dict()
     if args.json:
         objs = [{"backend": loaded.backend.name, "prompt_token_ids": r.prompt_ids, "token_ids": r.token_ids,
-                 "text": r.text, "finish_reason": r.finish_reason, "timings": t} for r in results]
+                 "text": r.text, "finish_reason": r.finish_reason, "cached_tokens": r.cached_tokens, "timings": t}
+                for r in results]
         for i in chats:
             if (p := parser()) is not None:
                 objs[i].update(split_answer(p, results[i].text))

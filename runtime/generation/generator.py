@@ -29,6 +29,7 @@ class Result:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = FINISH_LENGTH  # length | stop_token | stop_string
     text: str | None = None  # cut at the stop string; None without a tokenizer in the stop rules
+    cached_tokens: int = 0  # prompt tokens whose latents came from the prefix cache (not computed)
 
 
 class Generator:
@@ -70,8 +71,8 @@ class Generator:
         for req in reqs:
             sched.submit(req)
         sched.run_until_idle()
-        results = [Result(r.prompt, r.token_ids, r.finish_reason, None if r.text is None else r.text.text)
-                   for r in reqs]
+        results = [Result(r.prompt, r.token_ids, r.finish_reason, None if r.text is None else r.text.text,
+                          r.cached_tokens or 0) for r in reqs]
         return results, probe.finish(sched.timings)
 
 
