@@ -192,7 +192,12 @@ def launch_if_asked(args) -> int | None:
     from k2trt.config import K2Config, check_expert_parallel
     from k2trt.runtime.distributed.launch import run_pipeline
 
-    check_expert_parallel(K2Config.from_json(args.model), experts or 1)  # one line before any rank starts
+    cfg = K2Config.from_json(args.model)
+    check_expert_parallel(cfg, experts or 1)  # one line before any rank starts
+    from k2trt.runtime.distributed.placement import check_stage_counts, parse_counts
+
+    counts = parse_counts(args.stages) if getattr(args, "stages", None) else None
+    check_stage_counts(counts, stages or 1, cfg.num_hidden_layers)
 
     return run_pipeline(args.argv, (stages or 1) * (experts or 1))
 

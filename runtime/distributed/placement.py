@@ -199,10 +199,9 @@ def _split(sizes: tuple[int, ...], n: int) -> tuple[int, ...]:
     return best(0, n)[2]
 
 
-def place_stages(items: list[Item], devices: int, device_memory: int, reserve: int = DEFAULT_RESERVE,
-                counts: list[int] | None = None) -> Placement:
-    """The split over `devices` stages (or the explicit block counts per stage), fitting or not: `Placement.fits`."""
-    n_blocks = len(items)
+def check_stage_counts(counts: list[int] | None, devices: int, n_blocks: int) -> None:
+    """The devices, and the explicit block counts per stage (--stages) if given, can split n_blocks: else one line
+    (the launcher asks before any rank starts, each rank again when it places itself)."""
     if devices < 1:
         raise K2Error(f"a placement needs at least one device, got {devices}")
     if devices > n_blocks:
@@ -213,6 +212,14 @@ def place_stages(items: list[Item], devices: int, device_memory: int, reserve: i
         if any(c < 1 for c in counts) or sum(counts) != n_blocks:
             raise K2Error(f"--stages {','.join(map(str, counts))} must be positive block counts adding up to "
                           f"{n_blocks} (the model's blocks)")
+
+
+def place_stages(items: list[Item], devices: int, device_memory: int, reserve: int = DEFAULT_RESERVE,
+                counts: list[int] | None = None) -> Placement:
+    """The split over `devices` stages (or the explicit block counts per stage), fitting or not: `Placement.fits`."""
+    n_blocks = len(items)
+    check_stage_counts(counts, devices, n_blocks)
+    if counts is not None:
         cuts, at = [], 0
         for c in counts[:-1]:
             at += c
