@@ -18,6 +18,15 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, len(os.sched_getaffinity(0)) // _WORKERS)))
 
 import pytest  # noqa: E402
+from collections import Counter  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules with the most slow tests first, each module's tests in their own order: pytest-xdist's loadfile hands
+    whole files to the workers in this order, so the long files start first and the short ones fill the end
+    (longest first: no worker is left running one big file while the others are done)."""
+    slow = Counter(item.module.__name__ for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.module.__name__])  # stable: a module's tests stay together, in order
 
 
 @pytest.fixture(scope="session")
