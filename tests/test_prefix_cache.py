@@ -260,3 +260,34 @@ def test_generate_reports_the_prompt_tokens_it_reused(tiny_ckpt, tiny_export, ca
     [again], _ = gen.generate([prompt], 4)
     assert first.cached_tokens == 0 and again.cached_tokens == (len(prompt) - 1) // 64 * 64 == 128
     assert again.token_ids == first.token_ids
+
+
+def test_on_a_gpu_the_pool_defaults_to_a_share_of_free_memory(tiny_ckpt, monkeypatch):
+    """No --cache-memory on a CUDA backend: 90 % of what is free once the model has loaded, at most what every slot
+    at the context needs; on the CPU the latter alone. (The device is only named here: nothing is allocated.)"""
+    import torch
+
+    from k2trt.errors import K2Error
+    from k2trt.runtime.backends.contract import BackendLimits
+    from k2trt.runtime.commands import model
+    from k2trt.runtime.generation.pages import PAGE_TOKENS, page_bytes
+
+    class Named:
+        limits, act_dtype = BackendLimits(), torch.float32
+
+        def __init__(self, device):
+            self.device = torch.device(device)
+
+    ckpt = Checkpoint.open(tiny_ckpt)
+    size = page_bytes(ckpt.config, torch.float32, PAGE_TOKENS)
+    every_slot = model.LoadedModel(Named("cpu"), None, ckpt).limits(max_context=1024, max_batch=4).cache_pages
+    assert every_slot == 4 * 1024 // PAGE_TOKENS
+    gpu = model.LoadedModel(Named("cuda"), None, ckpt)
+    monkeypatch.setattr(model, "free_memory", lambda device: 40 * size)
+    assert gpu.limits(max_context=1024, max_batch=4).cache_pages == 36  # 90 % of 40 pages
+    monkeypatch.setattr(model, "free_memory", lambda device: 10_000 * size)
+    assert gpu.limits(max_context=1024, max_batch=4).cache_pages == every_slot
+    assert gpu.limits(max_context=1024, max_batch=4, cache_memory=8 * size).cache_pages == 8  # asked: as asked
+    monkeypatch.setattr(model, "free_memory", lambda device: 3 * size)
+    with pytest.raises(K2Error, match=r"\(by default\) 90% of .* free bytes holds 2 pages"):
+        gpu.limits(max_context=1024, max_batch=4)

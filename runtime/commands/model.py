@@ -19,6 +19,9 @@ from k2trt.runtime.backends.contract import Backend
 from k2trt.runtime.backends.factory import BackendChoice, add_backend_arguments, choice_from_args, open_backend
 
 
+# The latent-cache pool's default on a GPU: this share of the memory free once the model has loaded (vLLM's 0.9),
+# at most what every slot at --max-context needs. On a CPU the default is the latter alone.
+GPU_CACHE_SHARE = FreeShare(0.9)
 MAX_LOCAL_RANKS = 1024  # --pipeline starts this many processes on one machine, one per device
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,7 +33,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-memory", type=memory_size, default=None, metavar="SIZE",
                    help="latent-cache memory, every layer's: bytes (e.g. 8GiB) or a share of the device's free "
                         "memory once the model has loaded (e.g. 90%%); its pages are shared by the sequences as "
-                        "they grow (default: every slot can reach --max-context)")
+                        "they grow (default: every slot can reach --max-context; on a GPU at most 90%% of the "
+                        "free memory)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="compute every prompt in full (default: reuse the cached pages of a prompt's prefix "
                         "another request computed)")
@@ -86,12 +90,17 @@ class LoadedModel:
         if backend.max_batch and columns > 1:
             backend = replace(backend, max_batch=backend.max_batch * columns)
         pages = None
+        default_share = cache_memory is None and self.backend.device.type == "cuda"
+        if default_share:
+            cache_memory = GPU_CACHE_SHARE
         if cache_memory is not None:
             from k2trt.runtime.generation.pages import PAGE_TOKENS, page_bytes
 
             if isinstance(cache_memory, FreeShare):
                 free = free_memory(self.backend.device)
                 asked, cache_memory = f"{cache_memory} of {free:,} free bytes", cache_memory.of(free)
+                if default_share:
+                    asked = f"(by default) {asked}"
             else:
                 asked = f"{cache_memory:,} bytes"
             size = page_bytes(self.config, self.backend.act_dtype, PAGE_TOKENS)
@@ -100,6 +109,9 @@ class LoadedModel:
             if pages < want:
                 raise K2Error(f"--cache-memory {asked} holds {pages} pages of {size:,} bytes; "
                               f"{want} slots need at least {want * size:,} bytes (one page each)")
+            if default_share:
+                every_slot = Limits.resolve(self.config, backend, max_context=max_context, max_batch=max_batch)
+                pages = min(pages, every_slot.cache_pages)
         return Limits.resolve(self.config, backend, max_context=max_context, max_batch=max_batch, cache_pages=pages)
 
     def scheduler(self, limits, prefix_cache: bool = True):
