@@ -291,3 +291,21 @@ def test_on_a_gpu_the_pool_defaults_to_a_share_of_free_memory(tiny_ckpt, monkeyp
     monkeypatch.setattr(model, "free_memory", lambda device: 3 * size)
     with pytest.raises(K2Error, match=r"\(by default\) 90% of .* free bytes holds 2 pages"):
         gpu.limits(max_context=1024, max_batch=4)
+
+
+def test_a_gpu_stage_reserves_the_whole_pool_at_its_first_step(executor):
+    """Every plan names the pool's size: a CUDA stage (reserve_whole, set from its device; forced here on the CPU)
+    reserves all of it at once and never grows, a CPU stage grows to the highest page named. Tokens are the same."""
+    limits = Limits(max_context=128, max_batch=2, prefill_chunk=32, cache_pages=20, page_tokens=PAGE)
+    case = [(list(range(3, 40)), GREEDY, 6)]
+    cpu_stage = StageExecutor(executor.backend, executor.cfg)
+    assert cpu_stage.reserve_whole is False  # a CPU backend
+    grown, _ = _run(cpu_stage, case, limits, prefix_cache=False)
+    assert cpu_stage.cache.pages < 20
+    whole_stage = StageExecutor(executor.backend, executor.cfg)
+    whole_stage.reserve_whole = True
+    sizes = []
+    run = whole_stage.run
+    whole_stage.run = lambda plan: (run(plan), sizes.append(whole_stage.cache.pages))[0]
+    whole, _ = _run(whole_stage, case, limits, prefix_cache=False)
+    assert whole == grown and set(sizes) == {20}

@@ -154,7 +154,7 @@ class ColumnPlans:
                                   starts=[plan.starts[b] for b in rows], sample=[plan.sample[b] for b in rows],
                                   rows=mine.rows, capacity=plan.capacity, ops=ops,
                                   tables=[plan.tables[b] for b in rows] if plan.tables else [],
-                                  page_tokens=plan.page_tokens))
+                                  page_tokens=plan.page_tokens, pool_pages=plan.pool_pages))
         for h in admitted:  # its parked sampler is back in use (every rank's ops are made)
             h.key = None
         return plans

@@ -44,6 +44,10 @@ class StageExecutor:
         self.layers = list(range(cfg.num_hidden_layers) if layers is None else layers)
         self.first, self.last = first, last
         self.cache = PagedLatentCache(self.layers, cfg.latent_dim, backend.act_dtype, backend.device)
+        # A GPU stage reserves the whole pool at its first step (plan.pool_pages): grown as pages are named, a pool
+        # near its share of free memory would hold its old and new tensors at once. A CPU stage grows as it goes,
+        # holding what it uses (the CPU default, every slot at the full context, would be far more).
+        self.reserve_whole = torch.device(backend.device).type == "cuda"
         self.samplers: dict[int, Sampler] = {}
         self.parked: dict[int, Sampler] = {}  # preempted sequences' samplers, by key (Park), until resumed
         self.rope = RopeTable(cfg)
@@ -75,11 +79,12 @@ class StageExecutor:
                     self.samplers[op.a] = sb
             else:
                 raise TypeError(f"unknown slot op {op!r}")
-        if plan.tables:
+        if plan.tables or (self.reserve_whole and plan.pool_pages):
             if self.cache.pages and plan.page_tokens != self.cache.page_tokens:
                 raise ValueError(f"a plan of {plan.page_tokens}-position pages for a cache of {self.cache.page_tokens}")
             self.cache.page_tokens = plan.page_tokens
-            self.cache.reserve(1 + max((max(t, default=0) for t in plan.tables), default=0))
+            named = 1 + max((max(t, default=0) for t in plan.tables), default=0)
+            self.cache.reserve(max(named, plan.pool_pages) if self.reserve_whole else named)
 
     # ---- the step, in the three parts a pipeline distributes -----------------------------------------------
     def tensors(self, plan: StepPlan) -> StepTensors:

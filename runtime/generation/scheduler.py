@@ -248,7 +248,7 @@ class Scheduler:
         """An empty step: nothing computed, but every pipeline stage hears from rank 0 (an idle server's stages
         would otherwise time out waiting for the next plan) and pending slot operations are applied."""
         plan = StepPlan(first=0, tokens=[], starts=[], sample=[], rows=self.rows, capacity=self.capacity,
-                        ops=self._ops, page_tokens=self.pool.page_tokens)
+                        ops=self._ops, page_tokens=self.pool.page_tokens, pool_pages=self.pool.pages)
         self._ops = []
         self.executor.run(plan)
 
@@ -378,7 +378,7 @@ class Scheduler:
         self._size_cache(max(s + len(t) for s, t in zip(starts, tokens)))
         plan = StepPlan(first=self.layout.slot(reqs[0]), tokens=tokens, starts=starts, sample=sample,
                         rows=self.rows, capacity=self.capacity, ops=self._ops, tables=[list(r.table) for r in reqs],
-                        page_tokens=self.pool.page_tokens)
+                        page_tokens=self.pool.page_tokens, pool_pages=self.pool.pages)
         self._ops = []
         t0 = time.perf_counter()
         ids = self.executor.run(plan)

@@ -80,6 +80,7 @@ class StepPlan:
     tables: list[list[int]] = field(default_factory=list)  # each sequence's page table (pages.py), covering the
     # positions it holds and writes in this step
     page_tokens: int = PAGE_TOKENS  # positions per page
+    pool_pages: int = 0  # pages in the whole pool (limits.cache_pages); 0: unknown (a plan made by hand)
 
     @property
     def batch(self) -> int:
