@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Iterable
 import numpy as np
 import torch
 
-from k2trt.dtypes import DTYPES, torch_dtype
+from k2trt.dtypes import DTYPES, FP8, torch_dtype
 from k2trt.errors import K2Error, MissingDependency
 from k2trt.config import BLOCK_KINDS, MOE_PART_KINDS
 from k2trt.export_manifest import (check_expert_parallel_export, check_matches, graph_file, graph_path,
@@ -43,8 +43,7 @@ def ort_value(t: torch.Tensor):
     ort = _ort()
     t = t.contiguous()
     if t.dtype == torch.float8_e4m3fn:
-        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(t.view(torch.uint8).numpy(),
-                                                               DTYPES["float8_e4m3fn"].onnx)
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(t.view(torch.uint8).numpy(), DTYPES[FP8].onnx)
     return ort.OrtValue.ortvalue_from_numpy(t.numpy())
 
 

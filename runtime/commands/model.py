@@ -105,13 +105,13 @@ class LoadedModel:
                 asked = f"{cache_memory:,} bytes"
             size = page_bytes(self.config, self.backend.act_dtype, PAGE_TOKENS)
             pages = cache_memory // size
-            want = Limits.resolve(self.config, backend, max_context=max_context, max_batch=max_batch).max_batch
+            unsized = Limits.resolve(self.config, backend, max_context=max_context, max_batch=max_batch)
+            want = unsized.max_batch
             if pages < want:
                 raise K2Error(f"--cache-memory {asked} holds {pages} pages of {size:,} bytes; "
                               f"{want} slots need at least {want * size:,} bytes (one page each)")
-            if default_share:
-                every_slot = Limits.resolve(self.config, backend, max_context=max_context, max_batch=max_batch)
-                pages = min(pages, every_slot.cache_pages)
+            if default_share:  # at most what every slot at the context needs (the pool's default elsewhere)
+                pages = min(pages, unsized.cache_pages)
         return Limits.resolve(self.config, backend, max_context=max_context, max_batch=max_batch, cache_pages=pages)
 
     def scheduler(self, limits, prefix_cache: bool = True):
