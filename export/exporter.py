@@ -38,7 +38,7 @@ def export_kind(cfg: K2Config, out: Path, kind: str, act_dtype: str, activation_
         f"ort/{kind}": M.write_graph(out, f"ort/{kind}", kind, "onnxruntime", ort_model, weight_prep(ort_model),
                                      WEIGHT_DEQUANT, acts),
     }
-    if kind == "moe_experts":  # its R rows: what a rank may receive (runtime/trt/profiles.py sizes them)
+    if kind == "moe_experts":  # its R rows: what a rank may receive (runtime/tensorrt/profiles.py sizes them)
         for entry in entries.values():
             entry["dispatch"] = {"top_k": cfg.num_experts_per_tok, "ranks": expert_parallel}
     return entries

@@ -15,17 +15,17 @@ from k2trt.errors import READER_GONE, K2Error
 
 # subcommand -> (module, one-line help). Each module has add_arguments(parser) and run(args) -> int.
 COMMANDS = {
-    "make-tiny": ("k2trt.tools.tiny", "write the embedded tiny K2 checkpoint (K2's exact on-disk format)"),
+    "make-tiny": ("k2trt.tiny.checkpoint", "write the embedded tiny K2 checkpoint (K2's exact on-disk format)"),
     "inspect": ("k2trt.tools.inspect_checkpoint",
                 "parameter table of a checkpoint or preset, cross-checked against headers"),
-    "export": ("k2trt.export.cli", "export per-block ONNX graphs (TensorRT-bound and ONNX Runtime forms)"),
-    "build": ("k2trt.runtime.trt.build", "build TensorRT engines from the exported graphs (needs TensorRT + GPU)"),
-    "generate": ("k2trt.runtime.commands.generate", "generate text through the exported graphs or engines"),
-    "chat": ("k2trt.runtime.commands.chat", "interactive chat with history"),
+    "export": ("k2trt.commands.export", "export per-block ONNX graphs (TensorRT-bound and ONNX Runtime forms)"),
+    "build": ("k2trt.runtime.engines.builder", "build TensorRT engines from the exported graphs (needs TensorRT + GPU)"),
+    "generate": ("k2trt.runtime.entrypoints.generate", "generate text through the exported graphs or engines"),
+    "chat": ("k2trt.runtime.entrypoints.chat", "interactive chat with history"),
     "bench": ("k2trt.tools.bench", "prefill/decode tokens/s of the runtime against transformers and the torch "
                                    "reference (or pipeline stages against one process)"),
-    "compare": ("k2trt.tools.compare.cli", "accuracy of each backend against the torch reference, via polygraphy"),
-    "serve": ("k2trt.runtime.commands.serve", "an OpenAI-compatible HTTP server with continuous batching"),
+    "compare": ("k2trt.commands.compare", "accuracy of each backend against the torch reference, via polygraphy"),
+    "serve": ("k2trt.runtime.entrypoints.serve", "an OpenAI-compatible HTTP server with continuous batching"),
     "bench-serve": ("k2trt.tools.bench_serve",
                     "concurrent clients over HTTP against a live server: tokens/s, TTFT, ITL"),
     "plan": ("k2trt.tools.plan", "split the model over N devices as pipeline stages, by exact bytes"),
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # argparse: --help (0) or a bad argument (2), its line already printed
         return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
     except KeyboardInterrupt:  # also while a subcommand's heavy imports (torch, ONNX Runtime) are loading
-        from k2trt.runtime.distributed.environment import under_launcher
+        from k2trt.runtime.distributed.launcher_link import under_launcher
 
         if not under_launcher():  # a pipeline rank: its launcher says it once for every rank
             print(f"k2trt{' ' + command if command else ''}: interrupted", file=sys.stderr)
@@ -75,7 +75,7 @@ def _main(argv: list[str]) -> int:
     module.add_arguments(full)
     args = full.parse_args(argv[1:])
     args.argv = argv  # a command that launches pipeline ranks starts them with the same arguments
-    from k2trt.runtime.distributed.environment import LostContact, watch_launcher
+    from k2trt.runtime.distributed.launcher_link import LostContact, watch_launcher
 
     watch_launcher()  # a rank our launcher started ends with it
     try:

@@ -50,10 +50,10 @@ def tiny_export(tiny_ckpt, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def aot_compiled(tmp_path_factory):
-    """Every distinct AOT configuration compiled for sm_90 (k2trt/tools/aot_configs.py, real Triton compiles and
+    """Every distinct AOT configuration compiled for sm_90 (runtime/aot/sweep.py, real Triton compiles and
     ptxas, in a process of its own without TRITON_INTERPRET, one compiling process per core), once per test
     session: (results, log, seconds). Results the same code compiled before are read from the machine's AOT cache
-    (k2trt/tools/aot_cache.py: ~/.cache/k2trt/aot, or $K2TRT_AOT_CACHE)."""
+    (runtime/aot/result_cache.py: ~/.cache/k2trt/aot, or $K2TRT_AOT_CACHE)."""
     import json
     import subprocess
     import sys
@@ -63,7 +63,7 @@ def aot_compiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("aot") / "aot.json"
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "k2trt.tools.aot_configs", "--json", str(out)], env=env,
+    r = subprocess.run([sys.executable, "-m", "k2trt.runtime.aot.sweep", "--json", str(out)], env=env,
                        capture_output=True, text=True, timeout=3600)
     seconds = time.perf_counter() - t0
     if not out.exists():

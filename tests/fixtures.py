@@ -8,7 +8,7 @@ import struct
 from pathlib import Path
 from typing import Callable
 
-from k2trt.tools.tiny import make_tiny
+from k2trt.tiny.checkpoint import make_tiny
 
 _TINY: dict[tuple[int, str], Path] = {}
 

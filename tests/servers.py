@@ -111,8 +111,8 @@ class Gate(BackendWrapper):
 class InProcessServer:
     def __init__(self, ckpt, onnx, *serve_args: str):
         from k2trt.runtime.backends.factory import BackendChoice, open_backend
-        from k2trt.runtime.commands import serve
-        from k2trt.runtime.commands.model import LoadedModel, open_model
+        from k2trt.runtime.entrypoints import serve
+        from k2trt.runtime.entrypoints.model import LoadedModel, open_model
 
         parser = argparse.ArgumentParser()
         serve.add_arguments(parser)

@@ -1,13 +1,13 @@
 """Every distinct AOT configuration the plugins can ask TensorRT for, compiled for sm_90 on the CPU (Triton's
-compiler and bundled ptxas, no GPU): every node kind of runtime/trt/aot_nodes.py, float32 / bfloat16 / float16,
+compiler and bundled ptxas, no GPU): every node kind of runtime/aot/nodes.py, float32 / bfloat16 / float16,
 W8A16 and W8A8, the tiny and K2 graphs with FP8 and with INT4 experts and k2trt doctor's cases, every tactic. Each
 must fit the 48 KiB of shared memory an AOT launch gets and the register file, without a spill. The interpreter's
 emulation cannot see either (a compile is needed), which is how MoeGateUp float32 W8A16 once needed 73,728 B and
 failed every doctor run, and how 25 INT4 float32 / float16 configurations spilled until their tile rule.
 
-The compiles run once per session (conftest.aot_compiled: k2trt/tools/aot_configs.py, a process per core); launches
+The compiles run once per session (conftest.aot_compiled: runtime/aot/sweep.py, a process per core); launches
 that compile to the same code are compiled once (aot.config_key), and once per version of the code that compiles
-them (k2trt/tools/aot_cache.py keeps each result on disk)."""
+them (runtime/aot/result_cache.py keeps each result on disk)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ import textwrap
 import pytest
 
 from k2trt.graphs import contracts
-from k2trt.runtime.trt import aot
-from k2trt.runtime.trt.aot_nodes import AOT_NODES
-from k2trt.tools import aot_configs as AC
+from k2trt.runtime.aot import ptx as aot
+from k2trt.runtime.aot.nodes import AOT_NODES
+from k2trt.runtime.aot import sweep as AC
 
 
 
@@ -82,7 +82,8 @@ def test_the_old_tiling_does_not_fit():
     configuration — 16 rows, one stage — needs 73,728 B of shared memory, so compile_launch finds none."""
     code = textwrap.dedent("""
         from dataclasses import replace
-        from k2trt.runtime.trt import aot, aot_moe
+        from k2trt.runtime.aot import ptx as aot
+        from k2trt.runtime.aot import moe as aot_moe
         launch = replace(aot_moe.gemm_launch("gate_up", 384, 2048, 7168, "float32", 0, 1), block_k=128)
         smallest = replace(launch, num_stages=1)
         print("smallest", aot._compile(smallest, aot.Target(90, 88))[3])
@@ -123,7 +124,8 @@ def test_int4_fp32_at_a_k_step_of_64_spills():
     spill even at the smallest tactic (16 rows), with shared memory to spare."""
     code = textwrap.dedent("""
         from dataclasses import replace
-        from k2trt.runtime.trt import aot, aot_moe_int4
+        from k2trt.runtime.aot import ptx as aot
+        from k2trt.runtime.aot import moe_int4 as aot_moe_int4
         launch = replace(aot_moe_int4.int4_gemm_launch("gate_up", 384, 2048, 7168, 32, "float32", 1), block_k=64)
         name, ptx, warps, shared = aot._compile(launch, aot.Target(90, 88))
         u = aot.ptxas_usage(ptx, 90)
@@ -140,8 +142,8 @@ def test_int4_fp32_at_a_k_step_of_64_spills():
 def test_a_stored_result_is_read_instead_of_compiled_and_a_failure_is_not_stored(tmp_path, monkeypatch):
     """compile_all with a ResultCache: what the same code compiled before is read back (nothing compiles), a new
     result is stored whole, a failure is compiled again next time, an unreadable file is a miss."""
-    from k2trt.runtime.trt import aot_moe
-    from k2trt.tools.aot_cache import ResultCache
+    from k2trt.runtime.aot import moe as aot_moe
+    from k2trt.runtime.aot.result_cache import ResultCache
 
     ok, bad = (aot_moe.gemm_launch("down", 8, 64, 32, act, 0, 1) for act in ("float32", "bfloat16"))
     compiled = []
@@ -166,12 +168,12 @@ def test_a_stored_result_is_read_instead_of_compiled_and_a_failure_is_not_stored
 
 
 def test_the_cache_key_follows_every_kernel_source_and_each_files_bytes(tmp_path, monkeypatch):
-    from k2trt.tools import aot_cache
+    from k2trt.runtime.aot import result_cache as aot_cache
 
     names = {p.relative_to(p.parents[1]).as_posix() for p in aot_cache.source_files()}
-    assert {"kernels/fp8_linear.py", "kernels/moe.py", "kernels/moe_int4.py", "trt/aot.py", "trt/aot_moe.py",
-            "trt/aot_linear.py", "trt/aot_moe_int4.py", "graphs/fp8.py", "tools/aot_compile.py"} <= names
-    assert "tools/aot_configs.py" not in names  # the table of launches: editing it changes no result
+    assert {"kernels/fp8_linear.py", "kernels/moe.py", "kernels/moe_int4.py", "aot/ptx.py", "aot/moe.py",
+            "aot/linear.py", "aot/moe_int4.py", "graphs/fp8.py", "aot/compile_one.py"} <= names
+    assert "aot/sweep.py" not in names  # the table of launches: editing it changes no result
     kernel = tmp_path / "kernel.py"
     kernel.write_text("x = 1\n")
     monkeypatch.setattr(aot_cache, "source_files", lambda roots: [kernel])

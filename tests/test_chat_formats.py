@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from k2trt.runtime.text.tokenizer import KimiTokenizer
-from k2trt.tools.tiny_tokenizer import write_tiny_tokenizer
+from k2trt.tiny.tokenizer import write_tiny_tokenizer
 
 BASE = 2048 - 256
 # K2's tokenizer_config.json: the named ids from 163584 (the base count) on

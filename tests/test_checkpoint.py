@@ -16,7 +16,7 @@ from k2trt.config import ConfigError, K2Config
 from k2trt.graphs.fp8 import dequant_weight, quantize_weight
 from k2trt.graphs.weights import block_weight_specs, checkpoint_specs, global_specs, layer_specs
 from k2trt.safetensors_io import SafetensorsFile, load_file, save_file
-from k2trt.tools.synthetic import synthetic_tensors
+from k2trt.tiny.synthetic import synthetic_tensors
 
 
 @pytest.fixture(scope="session")

@@ -195,7 +195,7 @@ def test_backend_runner_matches_the_golden(passing, ckpt, tiny_export):
 def test_the_tensorrt_route_on_cpu(ckpt, tiny_ckpt, tiny_export, tmp_path):
     """The rows a TensorRT backend gets (W8A8 golden, BackendRunner, looser tolerance), with the W8A8 torch
     reference standing in for the engines: everything matches exactly."""
-    from k2trt.runtime.backends.reference import TorchBackend
+    from k2trt.runtime.backends.torch_reference import TorchBackend
 
     setup = Setup(weights=ckpt, export_dir=tiny_export, prompts=prompt_ids(tiny_ckpt, None, ckpt.config),
                   layers=parse_layers("1", ckpt.config), tokens=2, save_dir=tmp_path)

@@ -20,7 +20,7 @@ from k2trt.export.split_moe import split_moe
 from k2trt.graphs.fp8 import quantize_weight as ref_quantize
 from k2trt.graphs import contracts
 from k2trt.graphs import weights as W
-from k2trt.tools.synthetic import RandomWeights
+from k2trt.tiny.synthetic import RandomWeights
 from k2trt.graphs.mask import attention_mask
 from k2trt.graphs.reference import ReferenceModel
 from k2trt.graphs.rope import rope_tables

@@ -15,7 +15,7 @@ from k2trt.runtime.generation.sampling import Sampler, SamplingParams, logprobs_
 from k2trt.runtime.text import grammar as G
 from k2trt.runtime.text.chat_output import ChatOutputParser
 from k2trt.runtime.text.tokenizer import KimiTokenizer
-from k2trt.tools.tiny_tokenizer import write_tiny_tokenizer
+from k2trt.tiny.tokenizer import write_tiny_tokenizer
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                             "unit": {"enum": ["celsius", "fahrenheit"]},

@@ -13,7 +13,7 @@ from k2trt.config import ConfigError, K2Config
 from k2trt.graphs import blocks
 from k2trt.graphs.fp8 import (PER_TOKEN_GROUP, WEIGHT_DEQUANT, dequant_weight, fp8_block_linear,
                               quantize_activation, quantize_weight)
-from k2trt.tools.synthetic import RandomWeights
+from k2trt.tiny.synthetic import RandomWeights
 from k2trt.graphs.mask import simple_mask
 from k2trt.graphs.moe_ref import expert_swiglu, moe_fp8_reference
 from k2trt.graphs.ops import TorchOps

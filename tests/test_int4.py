@@ -347,9 +347,9 @@ def test_tensorrt_form_of_an_int4_block_binds_packed_weights(tmp_path):
     the packed experts uploaded as int32 words beside their scales in the activation dtype, bf16 linears as bf16."""
     from k2trt import export_manifest
     from k2trt.export.exporter import export
-    from k2trt.runtime.trt.backend import upload_weights
-    from k2trt.runtime.trt.profiles import ProfileSpec, graph_profiles
-    from k2trt.tools.synthetic import RandomWeights
+    from k2trt.runtime.backends.tensorrt import upload_weights
+    from k2trt.runtime.tensorrt.profiles import ProfileSpec, graph_profiles
+    from k2trt.tiny.synthetic import RandomWeights
 
     cfg = K2Config.preset("tiny-int4")
     export(cfg, tmp_path, "bfloat16", 1, log=lambda *a: None)

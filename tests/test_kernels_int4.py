@@ -79,7 +79,7 @@ def test_tiles_and_dot_modes_follow_the_activation_dtype():
     FP8 kernels' FMA K step and tile bound — every tactic keeps its height. (Under the interpreter bf16 runs as
     fp32, with bf16's tiles.)"""
     from k2trt.runtime.kernels.fp8_linear import FMA_BLOCK_K, FMA_MAX_TILE
-    from k2trt.runtime.trt import aot_moe_int4
+    from k2trt.runtime.aot import moe_int4 as aot_moe_int4
 
     assert moe_int4.int4_dot_mode(torch.float16) == moe_int4.DOT_TF32
     assert moe_int4.int4_dot_mode(torch.float32) == moe_int4.DOT_FMA

@@ -1,5 +1,6 @@
 """The layers import one way: base -> config -> graphs -> checkpoint files -> export manifests -> export -> runtime
-(kernels -> backend contract -> TensorRT -> backends -> text -> generation -> distributed -> serve -> commands) -> tools.
+(kernels -> AOT -> backend contract -> TensorRT -> engine build -> backends -> text -> generation -> distributed ->
+serve -> entrypoints) -> tiny -> tools -> commands.
 
 Every import of a k2trt module anywhere in a file (module level or inside a function) is an edge; an edge from a
 lower layer to a higher one fails, naming the file and the import. Every module must belong to a layer."""
@@ -22,18 +23,26 @@ LAYERS = [
     ("checkpoint", ["k2trt.safetensors_io", "k2trt.checkpoint", "k2trt.checkpoint_writer", "k2trt.hub"]),
     ("artifacts", ["k2trt.export_manifest"]),
     ("export", ["k2trt.export"]),
-    # the runtime's rooms, one way too: kernels, the backend contract, TensorRT, the other backends and their
-    # factory, text, the step loop, pipeline stages, the server, the commands
+    # the runtime's rooms, one way too: kernels, their ahead-of-time compilation, the backend contract, what
+    # TensorRT's build and run share (environment, plugins, profiles, the engine manifest), the engine build (and
+    # the AOT sweep, which compiles what the exported graphs ask for), the backends and their factory, text, the step
+    # loop, pipeline stages and expert-parallel ranks, the server, what the commands call
     ("runtime.kernels", ["k2trt.runtime", "k2trt.runtime.kernels"]),
+    ("runtime.aot", ["k2trt.runtime.aot"]),
     ("runtime.contract", ["k2trt.runtime.backends.contract", "k2trt.runtime.backends.graph_weights"]),
-    ("runtime.trt", ["k2trt.runtime.trt"]),
+    ("runtime.tensorrt", ["k2trt.runtime.tensorrt"]),
+    ("runtime.engines", ["k2trt.runtime.engines", "k2trt.runtime.aot.sweep"]),
     ("runtime.backends", ["k2trt.runtime.backends"]),
     ("runtime.text", ["k2trt.runtime.text"]),
     ("runtime.generation", ["k2trt.runtime.generation"]),
     ("runtime.distributed", ["k2trt.runtime.distributed"]),
     ("runtime.serve", ["k2trt.runtime.serve"]),
-    ("runtime.commands", ["k2trt.runtime.commands"]),
-    ("tools", ["k2trt.tools", "k2trt.cli"]),
+    ("runtime.entrypoints", ["k2trt.runtime.entrypoints"]),
+    # the embedded tiny checkpoint's makers (tests and benches import them), benches and reports, and on top the
+    # commands: one module per `k2trt` subcommand, and the CLI that finds them
+    ("tiny", ["k2trt.tiny"]),
+    ("tools", ["k2trt.tools"]),
+    ("commands", ["k2trt.commands", "k2trt.cli"]),
 ]
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)}
 

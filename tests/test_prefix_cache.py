@@ -148,7 +148,7 @@ def test_a_cache_memory_that_is_not_a_size_is_one_line(tiny_ckpt, tiny_export, c
 def test_a_share_of_free_memory_sizes_the_pool_from_what_the_device_has_free(tiny_ckpt, tiny_export, monkeypatch):
     from k2trt.args import FreeShare
     from k2trt.errors import K2Error
-    from k2trt.runtime.commands import model
+    from k2trt.runtime.entrypoints import model
     from k2trt.runtime.generation.pages import page_bytes
 
     loaded = model.LoadedModel(open_backend(BackendChoice("ort", tiny_export), Checkpoint.open(tiny_ckpt)), None,
@@ -269,7 +269,7 @@ def test_on_a_gpu_the_pool_defaults_to_a_share_of_free_memory(tiny_ckpt, monkeyp
 
     from k2trt.errors import K2Error
     from k2trt.runtime.backends.contract import BackendLimits
-    from k2trt.runtime.commands import model
+    from k2trt.runtime.entrypoints import model
     from k2trt.runtime.generation.pages import PAGE_TOKENS, page_bytes
 
     class Named:

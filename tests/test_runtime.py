@@ -11,7 +11,7 @@ from k2trt.checkpoint import Checkpoint
 from k2trt.cli import main
 from k2trt.graphs.reference import ReferenceModel, greedy_generate
 from k2trt.runtime.backends.contract import BackendLimits, BackendWrapper
-from k2trt.runtime.commands.generate import StreamPrinter
+from k2trt.runtime.entrypoints.generate import StreamPrinter
 from k2trt.runtime.generation.generator import Generator
 from k2trt.runtime.generation.limits import Limits
 from k2trt.runtime.backends.ort import OrtBackend
@@ -178,7 +178,7 @@ def test_generate_cli_needs_a_prompt(tiny_ckpt, capsys):
 
 
 def test_seeded_sampling_gives_the_same_tokens_on_ort_and_torch(setup):
-    from k2trt.runtime.backends.reference import TorchBackend
+    from k2trt.runtime.backends.torch_reference import TorchBackend
 
     ckpt, tok, _, gen = setup
     params = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234)
@@ -189,7 +189,7 @@ def test_seeded_sampling_gives_the_same_tokens_on_ort_and_torch(setup):
 
 
 def test_chat_keeps_history_and_resets(tiny_ckpt, tiny_export, capsys, monkeypatch):
-    from k2trt.runtime.commands import chat
+    from k2trt.runtime.entrypoints import chat
 
     seen = []
     real = chat.make_generator
@@ -218,7 +218,7 @@ def test_chat_keeps_history_and_resets(tiny_ckpt, tiny_export, capsys, monkeypat
 def test_chat_stop_ends_the_reply_and_the_history_keeps_it_cut(tiny_ckpt, tiny_export, capsys, monkeypatch):
     """`chat --stop STR`: generation ends at the stop string (not at --max-new-tokens), the display is cut before it,
     and the next turn's prompt carries the reply as shown, not the text past the stop."""
-    from k2trt.runtime.commands import chat
+    from k2trt.runtime.entrypoints import chat
 
     def talk(*extra: str) -> tuple[list[str], list[str], str]:
         prompts = []

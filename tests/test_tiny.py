@@ -11,15 +11,15 @@ import torch
 
 from fixtures import tiny_checkpoint
 from k2trt import cli
-from k2trt.tools import tiny as tiny_mod
+from k2trt.tiny import checkpoint as tiny_mod
 from k2trt.checkpoint import Checkpoint
 from k2trt.config import K2Config
 from k2trt.errors import K2Error
 from k2trt.graphs.fp8 import dequant_weight
 from k2trt.graphs.weights import checkpoint_specs
 from k2trt.checkpoint_writer import ordered_specs, shard_plan
-from k2trt.tools.synthetic import synthetic_tensors
-from k2trt.tools.tiny import make_tiny
+from k2trt.tiny.synthetic import synthetic_tensors
+from k2trt.tiny.checkpoint import make_tiny
 
 
 @pytest.fixture(scope="session")

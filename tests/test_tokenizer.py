@@ -8,7 +8,7 @@ import pytest
 
 from k2trt.errors import K2Error
 from k2trt.runtime.text.tokenizer import KimiTokenizer, StreamDecoder
-from k2trt.tools.tiny_tokenizer import write_tiny_tokenizer
+from k2trt.tiny.tokenizer import write_tiny_tokenizer
 
 BASE = 1792
 FILES = ("tiktoken.model", "tokenizer_config.json", "special_tokens_map.json")

@@ -31,10 +31,10 @@ from k2trt.dtypes import BY_ONNX
 from k2trt.graphs import contracts
 from k2trt.graphs.fp8 import fp8_block_linear as reference_linear
 from k2trt.graphs.fp8 import quantize_weight
-from k2trt.runtime.trt import build as B
-from k2trt.runtime.trt import engine_manifest as EM
-from k2trt.runtime.trt import plugins
-from k2trt.runtime.trt.profiles import (DECODE, PREFILL, Profile, ProfileError, ProfileSpec, ShapeRange,
+from k2trt.runtime.engines import builder as B
+from k2trt.runtime.tensorrt import engine_manifest as EM
+from k2trt.runtime.tensorrt import plugins
+from k2trt.runtime.tensorrt.profiles import (DECODE, PREFILL, Profile, ProfileError, ProfileSpec, ShapeRange,
                                         add_profile_arguments, check_call_shape, eval_dim, graph_profiles,
                                         profile_index, spec_from_args)
 
@@ -237,7 +237,7 @@ def test_ptx_newer_than_the_driver_is_refused_at_load(tmp_path):
 # ---- the PTX an AOT kernel may carry ----------------------------------------------------------------------------
 
 def test_ptx_version_follows_the_driver_and_ptxas():
-    from k2trt.runtime.trt import environment as E
+    from k2trt.runtime.tensorrt import environment as E
 
     # PTX ISA release notes: CUDA 12.0-12.5 -> 8.0-8.5, 12.6 none new, 12.7-12.9 -> 8.6-8.8, 13.0 -> 9.0
     assert [E.max_ptx_for_cuda(12, m) for m in (0, 4, 5, 6, 7, 8, 9)] == [80, 84, 85, 85, 86, 87, 88]
@@ -249,7 +249,7 @@ def test_ptx_version_follows_the_driver_and_ptxas():
 
 
 def test_ptx_is_capped_by_the_tensorrt_wheels_cuda_and_versions_are_checked():
-    from k2trt.runtime.trt import environment as E
+    from k2trt.runtime.tensorrt import environment as E
 
     # a cu12 TensorRT on a CUDA 13 driver: PTX 8.8 (the newest CUDA 12.x's), not the driver's 9.0
     assert E.ptx_version_for((13, 0), 94, wheel_cuda=12) == 88
@@ -264,7 +264,7 @@ def test_ptx_is_capped_by_the_tensorrt_wheels_cuda_and_versions_are_checked():
 def test_tensorrt_wheel_cuda_from_the_distribution_name(monkeypatch):
     from importlib import metadata
 
-    from k2trt.runtime.trt import environment as E
+    from k2trt.runtime.tensorrt import environment as E
 
     def dists(*names):
         return lambda: [argparse.Namespace(metadata={"Name": n}) for n in names]
@@ -393,7 +393,7 @@ def standin(monkeypatch):
 
 
 def _install(monkeypatch, trtp):
-    from k2trt.runtime.trt import environment
+    from k2trt.runtime.tensorrt import environment
 
     trt = argparse.Namespace(DataType=S.DataType, plugin=trtp, __version__=".".join(map(str, trtp.version)) + ".0")
     monkeypatch.setattr(environment, "import_tensorrt_plugin", lambda: (trt, trtp))
@@ -610,8 +610,8 @@ def _poisoned(t: torch.Tensor) -> torch.Tensor:
 def _real_compiles(monkeypatch, aot_compiled) -> dict:
     """aot.compile_launch answered from the session's real sm_90 compiles (conftest.aot_compiled): the launch
     shrunk as its configuration compiled, with that compile's shared memory and launch width; -> launches by name."""
-    from k2trt.runtime.trt import aot
-    from k2trt.tools import aot_configs as AC
+    from k2trt.runtime.aot import ptx as aot
+    from k2trt.runtime.aot import sweep as AC
 
     by_key = AC.results_by_key(aot_compiled[0])
     compiled = {}
@@ -642,8 +642,8 @@ def _emulate(standin, compiled, tmp_path, case, run: bool = True) -> dict[str, l
     """Parse the case's one-node graph, create its AOT plugin, ask for each tactic's launch (compiled for real:
     _real_compiles), and — with `run` — launch it under Triton's interpreter with TensorRT's argument order
     (inputs, extra scalars, outputs) and grid; -> tactic -> mismatches against the reference."""
-    from k2trt.runtime.trt import aot
-    from k2trt.tools.plugin_cases import mismatches, one_node_model
+    from k2trt.runtime.aot import ptx as aot
+    from k2trt.runtime.tensorrt.plugin_cases import mismatches, one_node_model
 
     model = one_node_model(case)
     plugin = _aot_plugin(standin, model, tmp_path, case.op_type)
@@ -675,7 +675,7 @@ def test_every_aot_kernel_matches_its_reference(standin, monkeypatch, tmp_path, 
     """k2trt doctor's one-node cases, every dtype and mode, every tactic, each as the plan really compiled for
     sm_90 (shrunk to fit its shared memory): the kernel TensorRT would launch writes every output (they start
     poisoned) and matches the torch reference (skewed routing with an empty expert)."""
-    from k2trt.tools.plugin_cases import node_cases
+    from k2trt.runtime.tensorrt.plugin_cases import node_cases
 
     plugins.register_plugins()
     compiled = _real_compiles(monkeypatch, aot_compiled)
@@ -688,7 +688,7 @@ def test_every_aot_kernel_matches_its_reference(standin, monkeypatch, tmp_path, 
 def _graph_on_standin(standin, compiled, tmp_path, model, sizes=None) -> int:
     """Every plugin node of a TensorRT-bound graph as TensorRT's builder drives it: parsed with aot=1, types and
     shapes inferred, every tactic's launch asked for (each a real sm_90 compile within 48 KiB); -> launches."""
-    from k2trt.runtime.trt import aot
+    from k2trt.runtime.aot import ptx as aot
 
     sizes = sizes or {"B": 2, "T": 3}
     types = value_types(model)
@@ -750,7 +750,7 @@ def test_k2_size_expert_weights_and_their_fallback_on_the_standin(standin, monke
     whether TensorRT binds a plugin input that large is what only a GPU machine shows. The K2 MoE block in three
     expert ranges (export --expert-ranges 3) goes through the stand-in whole."""
     from k2trt.export.split_moe import split_moe
-    from k2trt.tools.plugin_cases import K2_EXPERTS, K2_RANGE, large_case
+    from k2trt.runtime.tensorrt.plugin_cases import K2_EXPERTS, K2_RANGE, large_case
 
     plugins.register_plugins()
     compiled = _real_compiles(monkeypatch, aot_compiled)
@@ -769,7 +769,7 @@ def test_k2_size_expert_weights_and_their_fallback_on_the_standin(standin, monke
 def test_aot_linear_kernel_is_the_runtime_kernel():
     """The AOT linear uses the runtime kernel's helpers and tiles: the same bits, every tactic."""
     from k2trt.runtime.kernels.fp8_linear import fp8_block_linear as runtime_linear, tactic_config
-    from k2trt.runtime.trt import aot_linear as A
+    from k2trt.runtime.aot import linear as A
 
     for act, aq, m, n, k in (("float32", 1, 5, 200, 256), ("float32", 0, 3, 130, 200),
                              ("bfloat16", 1, 17, 256, 128), ("float16", 0, 4, 128, 256)):
@@ -788,8 +788,8 @@ def test_aot_linear_kernel_is_the_runtime_kernel():
 
 
 def test_aot_plan_checks():
-    from k2trt.runtime.trt import aot_linear as A
-    from k2trt.runtime.trt import aot_moe as AM
+    from k2trt.runtime.aot import linear as A
+    from k2trt.runtime.aot import moe as AM
 
     with pytest.raises(ValueError, match="multiple of 128"):
         A.linear_launch("bfloat16", 256, 200, 1, 1)
@@ -841,7 +841,7 @@ PTX = """.version 8.7
 
 
 def test_unused_trailing_ptx_params_are_stripped_and_entries_renamed():
-    from k2trt.runtime.trt.aot import ptx_version_of, rename_entry, strip_unused_params
+    from k2trt.runtime.aot.ptx import ptx_version_of, rename_entry, strip_unused_params
 
     out = strip_unused_params(PTX, "k", 3)
     assert "k_param_3" not in out and "k_param_2" in out
@@ -860,7 +860,10 @@ def test_aot_kernels_compile_to_ptx_for_hopper():
     (pointers are declared 16-byte aligned), shared memory within the AOT limit."""
     code = textwrap.dedent("""
         import re
-        from k2trt.runtime.trt import aot, aot_linear, aot_moe, aot_moe_int4
+        from k2trt.runtime.aot import ptx as aot
+        from k2trt.runtime.aot import linear as aot_linear
+        from k2trt.runtime.aot import moe as aot_moe
+        from k2trt.runtime.aot import moe_int4 as aot_moe_int4
         target = aot.Target(90, 88)
         launches = [aot_moe.AlignLaunch(16), aot_moe.CombineLaunch(256, 2, "bfloat16"),
                  aot_moe.gemm_launch("gate_up", 16, 128, 256, "bfloat16", 1, 1),
@@ -925,7 +928,7 @@ def test_network_flags_are_tensorrts():
 
 
 def test_build_progress_lines():
-    from k2trt.runtime.trt.progress import BuildProgress
+    from k2trt.runtime.engines.monitor import BuildProgress
 
     now = [0.0]
     lines = []
@@ -972,7 +975,7 @@ def test_build_reports_input_errors_before_needing_tensorrt(exported, tmp_path, 
 
 @pytest.mark.skipif(HAVE_TENSORRT, reason="checks the message shown where TensorRT is missing")
 def test_plugins_and_backend_without_tensorrt(tmp_path):
-    from k2trt.runtime.trt.backend import TrtBackend
+    from k2trt.runtime.backends.tensorrt import TrtBackend
 
     with pytest.raises(MissingDependency, match=r"^TensorRT is not installed \(pip install"):
         plugins.register_plugins()
@@ -1016,7 +1019,7 @@ class _RecordingContext:
 
 
 def test_context_checks_every_binding_and_its_alignment():
-    from k2trt.runtime.trt.backend import TENSOR_ALIGNMENT, Context
+    from k2trt.runtime.backends.tensorrt import TENSOR_ALIGNMENT, Context
 
     entry = {"kind": "moe_block"}
     stream = argparse.Namespace(cuda_stream=0)
@@ -1068,7 +1071,7 @@ def test_cuda_graph_capture_failure_falls_back_with_one_warning(monkeypatch):
     CUDA graphs off for the rest of the run with one warning line; every later decode block runs plainly."""
     import contextlib
 
-    from k2trt.runtime.trt import backend as TB
+    from k2trt.runtime.backends import tensorrt as TB
 
     class Stream:
         def synchronize(self):
@@ -1100,8 +1103,8 @@ def test_cuda_graph_capture_failure_falls_back_with_one_warning(monkeypatch):
 
 
 def test_output_shapes_and_weight_upload(exported):
-    from k2trt.tools.synthetic import RandomWeights
-    from k2trt.runtime.trt.backend import OutputArena, output_shapes, upload_weights
+    from k2trt.tiny.synthetic import RandomWeights
+    from k2trt.runtime.backends.tensorrt import OutputArena, output_shapes, upload_weights
 
     entry = export_manifest.read_manifest(exported)["graphs"]["trt/moe_block"]
     assert output_shapes(entry, {"B": 2, "T": 3, "P": 16}) == {

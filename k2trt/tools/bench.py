@@ -14,7 +14,7 @@ from pathlib import Path
 
 from k2trt.args import at_least, int_list
 from k2trt.errors import K2Error, MissingDependency
-from k2trt.tools.synthetic import synthetic_prompts
+from k2trt.tiny.synthetic import synthetic_prompts
 from k2trt.hub import model_dir
 
 RUNTIME, TRANSFORMERS, REFERENCE = "runtime", "transformers", "reference"
@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baselines", default=f"{TRANSFORMERS},{REFERENCE}",
                    help=f"comma-separated: {TRANSFORMERS} (needs the bench extra), {REFERENCE} (eager torch)")
     p.add_argument("--json", action="store_true")
-    from k2trt.runtime.commands.model import add_pipeline_arguments
+    from k2trt.runtime.entrypoints.model import add_pipeline_arguments
 
     # --pipeline P / --expert-parallel E: the per-step time of the ranks against one process (pipeline_bench)
     add_pipeline_arguments(p, micro_batch_list=True)

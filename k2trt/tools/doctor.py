@@ -6,7 +6,7 @@ One line per step — pass, FAIL with the first error, or skip when a step it ne
   2. plugin registration: every plugin of the TensorRT-bound graphs with tensorrt.plugin, JIT and AOT;
   3. one engine per plugin: a graph of one plugin node whose FP8 weights are network inputs that only the plugin
      reads (does the builder accept that?), built, run, and compared with the torch reference
-     (k2trt/tools/plugin_cases.py); then one MoeGateUp with K2-size expert weights (5.6e9 elements each, over
+     (runtime/tensorrt/plugin_cases.py); then one MoeGateUp with K2-size expert weights (5.6e9 elements each, over
      2^31): taken, or refused — said in one line — with the per-expert-range fallback checked instead;
   4. the tiny model's four block engines, built with their prefill and decode profiles — exported in float32
      and W8A16, the convention ONNX Runtime computes in, so that
@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def missing_dependencies() -> list[str]:
     """What the TensorRT path needs and this machine lacks, one phrase each."""
-    from k2trt.runtime.trt import environment
+    from k2trt.runtime.tensorrt import environment
 
     missing = []
     try:
@@ -90,7 +90,8 @@ def _environment(state: dict) -> str:
     import torch
     import triton
 
-    from k2trt.runtime.trt import build, environment
+    from k2trt.runtime.engines import builder as build
+    from k2trt.runtime.tensorrt import environment
 
     env = environment.current_environment()
     state["env"] = env
@@ -108,8 +109,8 @@ def _environment(state: dict) -> str:
 
 
 def _registration(state: dict) -> str:
-    from k2trt.runtime.trt import build
-    from k2trt.runtime.trt.plugins import register_plugins
+    from k2trt.runtime.engines import builder as build
+    from k2trt.runtime.tensorrt.plugins import register_plugins
 
     modes = register_plugins()
     build.check_plugin_modes(modes, state["plugins"] == "aot", state["env"]["tensorrt_version"])
@@ -136,8 +137,8 @@ def one_node_engine(trt, logger, case, aot: bool) -> list[str]:
     """Build the case's one-node graph into an engine, run it once, -> its mismatches with the reference."""
     import torch
 
-    from k2trt.runtime.trt import build
-    from k2trt.tools.plugin_cases import mismatches, one_node_model
+    from k2trt.runtime.engines import builder as build
+    from k2trt.runtime.tensorrt.plugin_cases import mismatches, one_node_model
 
     model = one_node_model(case)
     build.set_aot_attribute(model, aot)
@@ -173,7 +174,7 @@ def _one_node_step(case) -> Callable[[dict], str]:
     def run(state: dict) -> str:
         import torch
 
-        from k2trt.runtime.trt.environment import import_tensorrt
+        from k2trt.runtime.tensorrt.environment import import_tensorrt
 
         trt = import_tensorrt()
         logger = first_error_logger(trt)
@@ -190,8 +191,8 @@ def _large_inputs(state: dict) -> str:
     one line saying so, and the fallback — per-expert-range weight inputs, one range of 128 experts — checked."""
     import torch
 
-    from k2trt.runtime.trt.environment import import_tensorrt
-    from k2trt.tools.plugin_cases import K2_EXPERTS, K2_RANGE, large_case
+    from k2trt.runtime.tensorrt.environment import import_tensorrt
+    from k2trt.runtime.tensorrt.plugin_cases import K2_EXPERTS, K2_RANGE, large_case
 
     trt = import_tensorrt()
     aot = state["plugins"] == "aot"
@@ -228,9 +229,9 @@ def _block_engines(state: dict) -> str:
     from k2trt.config import K2Config
     from k2trt.export.exporter import export
     from k2trt.graphs.fp8 import WEIGHT_DEQUANT
-    from k2trt.runtime.trt import build
-    from k2trt.runtime.trt.environment import import_tensorrt
-    from k2trt.runtime.trt.profiles import ProfileSpec
+    from k2trt.runtime.engines import builder as build
+    from k2trt.runtime.tensorrt.environment import import_tensorrt
+    from k2trt.runtime.tensorrt.profiles import ProfileSpec
 
     work = state["work"]
     cfg = K2Config.preset("tiny")
@@ -251,8 +252,8 @@ def _tokens(state: dict) -> str:
     from k2trt.config import K2Config
     from k2trt.runtime.generation.generator import Generator
     from k2trt.runtime.backends.ort import OrtBackend
-    from k2trt.runtime.trt.backend import TrtBackend
-    from k2trt.tools.synthetic import RandomWeights
+    from k2trt.runtime.backends.tensorrt import TrtBackend
+    from k2trt.tiny.synthetic import RandomWeights
 
     work = state["work"]
     cfg = K2Config.preset("tiny")
@@ -270,7 +271,7 @@ def _tokens(state: dict) -> str:
 
 def steps() -> list[Step]:
     from k2trt.graphs.fp8 import PER_TOKEN_GROUP
-    from k2trt.tools.plugin_cases import node_cases
+    from k2trt.runtime.tensorrt.plugin_cases import node_cases
 
     out = [Step("TensorRT and CUDA", _environment), Step("plugin registration", _registration, ("TensorRT and CUDA",))]
     for case in node_cases("bfloat16", PER_TOKEN_GROUP):

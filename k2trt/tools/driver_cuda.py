@@ -1,7 +1,7 @@
 """`python3 k2trt/tools/driver_cuda.py`: the TensorRT wheel flavour this machine's NVIDIA driver takes — "cu13" on a
 CUDA 13 driver, "cu12" on a CUDA 12 one or without a driver (CPU machines never use it) — for the Makefile, which
 runs it with the system Python before the venv exists, so it uses the standard library only (cuDriverGetVersion,
-as runtime/trt/environment.driver_cuda_version)."""
+as runtime/tensorrt/environment.driver_cuda_version)."""
 
 import ctypes
 import sys

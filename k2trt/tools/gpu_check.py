@@ -304,7 +304,8 @@ def kernel_variants(cfg: K2Config | None = None):
     from k2trt.runtime.kernels import fp8_linear as fl
     from k2trt.runtime.kernels import moe
     from k2trt.runtime.kernels.moe_int4 import INT4_TACTICS
-    from k2trt.runtime.trt import aot_moe, aot_moe_int4
+    from k2trt.runtime.aot import moe as aot_moe
+    from k2trt.runtime.aot import moe_int4 as aot_moe_int4
 
     def variant(label, launch):  # the MoE kernels as their AOT plugins launch them
         return label, launch.kernel, launch.pointer_types(), launch.constexprs(), launch.num_warps, launch.num_stages

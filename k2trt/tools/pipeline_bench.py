@@ -17,7 +17,7 @@ import json
 import os
 
 from k2trt.runtime.backends.factory import BackendChoice
-from k2trt.tools.synthetic import synthetic_prompts
+from k2trt.tiny.synthetic import synthetic_prompts
 
 SINGLE_ENV = "K2TRT_BENCH_SINGLE"  # the single-process row, handed to the ranks
 
@@ -36,7 +36,7 @@ def measure(gen, prompts, new_tokens: int, repeat: int) -> dict:
 
 def single_process(args) -> dict:
     from k2trt.runtime.generation.generator import Generator
-    from k2trt.runtime.commands.model import load_model
+    from k2trt.runtime.entrypoints.model import load_model
 
     loaded = load_model(args, BackendChoice("ort", args.onnx), command="bench", micro_batches=1)
     gen = Generator(loaded.backend, loaded.config)
@@ -90,7 +90,7 @@ def rank_shares(stats, decode_steps: int) -> dict:
 
 
 def run(args) -> int:
-    from k2trt.runtime.commands.model import load_model
+    from k2trt.runtime.entrypoints.model import load_model
     from k2trt.runtime.distributed.launch import run_pipeline
     from k2trt.runtime.distributed.micro_batches import MicroBatchScheduler
     from k2trt.runtime.distributed.world import launched

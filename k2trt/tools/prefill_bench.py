@@ -36,7 +36,7 @@ CHILD = textwrap.dedent("""
     from k2trt.runtime.backends.factory import BackendChoice, open_backend
     from k2trt.runtime.generation.generator import Generator
     from k2trt.runtime.generation.limits import MASK_BUDGET, Limits
-    from k2trt.runtime.commands.model import open_model
+    from k2trt.runtime.entrypoints.model import open_model
     from k2trt.runtime.text.tokenizer import NUM_RESERVED_SPECIAL
     from k2trt.tools.stream_bench import proc_status as status
 
@@ -88,7 +88,7 @@ def measure(model: Path, onnx: Path, lengths: list[int], mask_budget: int | None
 
 def _tiny(directory: Path) -> tuple[Path, Path]:
     from k2trt.export.exporter import export
-    from k2trt.tools.tiny import make_tiny
+    from k2trt.tiny.checkpoint import make_tiny
 
     model = make_tiny(directory / "tiny")
     export(K2Config.from_json(model), directory / "onnx", "float32", log=lambda *a: None)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # onnx costs a process ~0.7 s to import (ml_dtypes); a backen
 
 class WeightSource(Protocol):
     """Where a backend's weights come from: a Checkpoint (k2trt/checkpoint.py), or seeded random weights in tests
-    (k2trt/tools/synthetic.py). Tensors come back on the CPU in their checkpoint dtypes."""
+    (k2trt/tiny/synthetic.py). Tensors come back on the CPU in their checkpoint dtypes."""
 
     config: K2Config
 
@@ -38,7 +38,7 @@ class WeightSource(Protocol):
 # Cache capacities are multiples of this many positions (runtime/generation/cache.bucket), so every slot range of a
 # latent cache whose per-position row is a multiple of 16 bytes (576 bf16 values for K2) starts 256-byte aligned,
 # as TensorRT requires of every bound address (NvInferRuntime.h IExecutionContext::setTensorAddress). A backend
-# built for a --max-seq that is not a multiple accepts the capacity rounded up (runtime/trt/profiles.py).
+# built for a --max-seq that is not a multiple accepts the capacity rounded up (runtime/tensorrt/profiles.py).
 CAPACITY_MULTIPLE = 16
 
 

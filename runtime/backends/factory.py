@@ -69,12 +69,12 @@ def open_backend(choice: BackendChoice, weights: WeightSource, *, activation_qua
         return OrtBackend(choice.onnx, weights, providers=list(choice.providers), threads=choice.threads,
                           expert_parallel=choice.expert_parallel)
     if choice.name == "trt":
-        from k2trt.runtime.trt.backend import TrtBackend
+        from k2trt.runtime.backends.tensorrt import TrtBackend
 
         return TrtBackend(choice.engines, weights, export_dir=choice.onnx, device=choice.device,
                           expert_parallel=choice.expert_parallel)
     from k2trt.graphs.fp8 import WEIGHT_DEQUANT
-    from k2trt.runtime.backends.reference import TorchBackend
+    from k2trt.runtime.backends.torch_reference import TorchBackend
 
     return TorchBackend(weights, activation_quant=WEIGHT_DEQUANT if activation_quant is None else activation_quant,
                         expert_parallel=choice.expert_parallel)

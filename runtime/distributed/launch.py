@@ -20,7 +20,7 @@ import time
 from datetime import timedelta
 
 from k2trt.errors import READER_GONE, K2Error
-from k2trt.runtime.distributed.environment import LAUNCHER_FD_ENV, STORE_ENV
+from k2trt.runtime.distributed.launcher_link import LAUNCHER_FD_ENV, STORE_ENV
 from k2trt.runtime.distributed.world import causes, cpu_threads, earliest, failures
 
 GRACE_S = 5.0

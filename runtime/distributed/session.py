@@ -20,7 +20,7 @@ from k2trt.runtime.distributed import placement
 from k2trt.runtime.distributed.expert_parallel import ExchangeStats, ExpertExchange, ExpertParallelStage, ExpertShare
 from k2trt.runtime.distributed.layout import Layout, check_layout, rank_item
 from k2trt.runtime.distributed.pipeline import PipelineExecutor, StageRunner, Topology, follow
-from k2trt.runtime.distributed.progress import LoadReporter, ProgressBoard, ready_key
+from k2trt.runtime.distributed.load_progress import LoadReporter, ProgressBoard, ready_key
 from k2trt.runtime.distributed.world import LOAD_TIMEOUT_S, World, cpu_threads, join, new_groups
 from k2trt.runtime.generation.executor import StageExecutor
 

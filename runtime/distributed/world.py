@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from k2trt.errors import K2Error
-from k2trt.runtime.distributed.environment import (STORE_ENV, LostContact, launched,  # noqa: F401 (re-exported)
+from k2trt.runtime.distributed.launcher_link import (STORE_ENV, LostContact, launched,  # noqa: F401 (re-exported)
                                                    under_launcher)
 
 DEFAULT_TIMEOUT_S = 120.0  # any one collective or transfer of a step

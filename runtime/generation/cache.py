@@ -78,7 +78,7 @@ class PagedLatentCache:
     def gather(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         """The step's cache of one layer, [B, P, latent], from its flat rows [B, P] (StepTensors.gather_rows), into
         the one step buffer: each layer's block reads it before the next layer's gather overwrites it (the same
-        stream, in order), and a decode block's CUDA graph (runtime/trt/backend.DecodeGraphs), which bakes in its
+        stream, in order), and a decode block's CUDA graph (runtime/backends/tensorrt.DecodeGraphs), which bakes in its
         cache's address, is captured once per B and P rather than at every step."""
         b, p = rows.shape
         buf = self.step_buffer

@@ -209,7 +209,7 @@ def linear_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
 
 # ---------------------------------------------------------------------------------------------- wrappers
 
-# ---- the whole contract in one kernel, for TensorRT's AOT plugin (runtime/trt/aot_linear.py) --------------------
+# ---- the whole contract in one kernel, for TensorRT's AOT plugin (runtime/aot/linear.py) --------------------
 # An AOT plugin is exactly one compiled kernel, launched with (input pointers..., extra int32 scalars..., output
 # pointers...). The two-launch path above quantizes activations separately (W8A8); here each [BM, 128] activation
 # tile is quantized in registers with the same helpers — the same bits, at the price of re-quantizing a row tile

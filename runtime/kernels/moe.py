@@ -15,7 +15,7 @@ its own BM (a TensorRT tactic each) — the grid is bounded from shapes alone: �
 
 Kernel parameters are in TensorRT's AOT launch order — the node's inputs, the extra int32 scalars, the outputs —
 with every static size a constexpr, so the same kernels run from torch (the JIT entry points below) and as AOT
-plugins (runtime/trt/aot_moe.py). Nothing syncs with the host. Indices read from data are clamped into range:
+plugins (runtime/aot/moe.py). Nothing syncs with the host. Indices read from data are clamped into range:
 TensorRT times plugins on uninitialized inputs, and a stray index must not fault.
 """
 
@@ -200,7 +200,7 @@ def combine_kernel(o_ptr, w_ptr, y_ptr, D: tl.constexpr, TOP_K: tl.constexpr, BL
 
 
 # ---------------------------------------------------------------------------------------------- launch rules
-# Shared by the torch entry points below and the AOT plans (runtime/trt/aot_moe.py): grids work on ints and on
+# Shared by the torch entry points below and the AOT plans (runtime/aot/moe.py): grids work on ints and on
 # TensorRT shape expressions (only + - * // and the `minimum` given).
 
 @dataclass(frozen=True)
@@ -222,7 +222,7 @@ GEMM_TACTICS: dict[int, GemmTiles] = {
 }
 # float32 W8A16 dots run on FMA units (fp8_linear.fma_dot): their operand tiles are fp32, four times an fp8 tile, and
 # at K steps of 128 two of them (gate and up, 128x128) alone need 128 KiB — no height or stage count fits the 48 KiB
-# of an AOT launch (runtime/trt/aot.py; the smallest, BM 16 with one stage, needs 73,728 B). At fp8_linear's
+# of an AOT launch (runtime/aot/ptx.py; the smallest, BM 16 with one stage, needs 73,728 B). At fp8_linear's
 # FMA_BLOCK_K every tactic keeps its height and pipelining, unspilled (tests/test_aot_compile.py).
 # (max average pairs per expert, tactic) for the torch entry point, which picks without timing
 _TACTIC_BY_LOAD = ((4.0, 1), (24.0, 2), (float("inf"), 3))
@@ -274,7 +274,7 @@ def check_gemm(tiles: GemmTiles, gate_up: bool, activation_quant: int = PER_TOKE
 
 def gemm_tiles(stage: str, tactic: int, dtype: torch.dtype, activation_quant: int) -> GemmTiles:
     """The tiles of a tactic for the "gate_up" or "down" GEMM in an activation dtype and FP8 mode, checked for that
-    stage: the torch entry points and the AOT launches (runtime/trt/aot_moe.py) both take them from here."""
+    stage: the torch entry points and the AOT launches (runtime/aot/moe.py) both take them from here."""
     if tactic not in GEMM_TACTICS:
         raise ValueError(f"MoE {stage}: unknown tactic {tactic}; expected one of {sorted(GEMM_TACTICS)}")
     tiles = GEMM_TACTICS[tactic]

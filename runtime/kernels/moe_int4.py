@@ -13,7 +13,7 @@ clamped, as in moe.py.
 
 Kernel parameters are in TensorRT's AOT launch order — the node's inputs, the extra int32 scalars, the outputs —
 with every static size a constexpr, so the same kernels run from torch (the entry points below) and as AOT plugins
-(runtime/trt/aot_moe_int4.py).
+(runtime/aot/moe_int4.py).
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def down_int4_kernel(h_ptr, sorted_ptr, off_ptr, dp_ptr, ds_ptr, n, out_ptr,
 
 
 # ---------------------------------------------------------------------------------------------- launch rules
-# Shared by the torch entry points below and the AOT launches (runtime/trt/aot_moe_int4.py).
+# Shared by the torch entry points below and the AOT launches (runtime/aot/moe_int4.py).
 
 @dataclass(frozen=True)
 class Int4Tiles:
@@ -139,7 +139,7 @@ class Int4Tiles:
 
 # tactic id -> tiles for 16-bit activations (tensor-core dots): decode (about one pair per touched expert) wants
 # short row tiles, prefill fills 64 rows. The 64x128 tile steps K by 32: at 64 its gate+up stages need 57,344 B
-# (bf16) / 65,536 B (fp16, tf32 operands) at 3 stages, over the 48 KiB of an AOT launch (runtime/trt/aot.py).
+# (bf16) / 65,536 B (fp16, tf32 operands) at 3 stages, over the 48 KiB of an AOT launch (runtime/aot/ptx.py).
 INT4_TACTICS: dict[int, Int4Tiles] = {
     1: Int4Tiles(block_m=16),
     2: Int4Tiles(block_m=32, num_warps=4, num_stages=4),
@@ -169,7 +169,7 @@ def int4_dot_mode(dtype: torch.dtype) -> int:
 
 def int4_tiles(tactic: int, dtype: torch.dtype) -> Int4Tiles:
     """The tiles of a tactic for an activation dtype: the torch entry points and the AOT launches
-    (runtime/trt/aot_moe_int4.py) both take them from here. 16-bit activations take INT4_TACTICS as they are. fp32
+    (runtime/aot/moe_int4.py) both take them from here. 16-bit activations take INT4_TACTICS as they are. fp32
     ones dot on FMA units, whose operand tiles live in registers as fp32: at a K step of 64 both GEMMs spilled at
     every tactic (ptxas, sm_90: 300-500 B at 16 rows, 14 KB at 64x128), so they step K by FMA_BLOCK_K and keep
     tiles within FMA_MAX_TILE (64x64), as the FP8 kernels' fp32 W8A16 path does. Every tactic and dtype then fits

@@ -18,7 +18,7 @@ from typing import Callable
 from k2trt.errors import K2Error
 from k2trt.config import BLOCK_ACTIVATIONS
 from k2trt.runtime.backends.factory import BackendChoice, open_backend
-from k2trt.tools.compare.blocks import FeedTransform, block_rows
+from k2trt.tools.compare.per_block import FeedTransform, block_rows
 from k2trt.tools.compare.e2e import e2e_rows
 from k2trt.tools.compare.golden import capture
 from k2trt.tools.compare.selection import Block, default_layers
@@ -60,7 +60,7 @@ def check_export(setup: Setup, cfg) -> None:
 def compare(setup: Setup, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
             backends: dict | None = None) -> Report:
     """Every row of the table. `backends` (name -> Backend) replaces the ones setup.backends names."""
-    from k2trt.runtime.backends.reference import TorchBackend
+    from k2trt.runtime.backends.torch_reference import TorchBackend
 
     cfg = setup.weights.config
     check_export(setup, cfg)

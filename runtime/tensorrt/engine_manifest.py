@@ -15,8 +15,8 @@ from k2trt.files import member, read_json_object, sha256_file, write_json
 from k2trt.errors import K2Error
 from k2trt.export_manifest import IO_SCHEMA
 from k2trt.schema import ListOf, MapOf, check
-from k2trt.runtime.trt.environment import current_environment, max_ptx_for_cuda, ptx_text
-from k2trt.runtime.trt.profiles import Profile, ProfileSpec
+from k2trt.runtime.tensorrt.environment import current_environment, max_ptx_for_cuda, ptx_text
+from k2trt.runtime.tensorrt.profiles import Profile, ProfileSpec
 
 FORMAT = "k2trt-engines/1"
 

@@ -1,7 +1,7 @@
 """AOT launches of the INT4 MoE stage plugins (MoeGateUpInt4, MoeDownInt4): which kernel of
-runtime/kernels/moe_int4.py, with which constants, tiles, grid and extra scalars. runtime/trt/aot.py compiles a
-launch to PTX; the plugin functions (runtime/trt/plugins.py) hand it to TensorRT. MoeAlign and MoeCombine are the
-FP8 MoE's own launches (runtime/trt/aot_moe.py). The kernels' parameters are in TensorRT's launch order (inputs,
+runtime/kernels/moe_int4.py, with which constants, tiles, grid and extra scalars. runtime/aot/ptx.py compiles a
+launch to PTX; the plugin functions (runtime/tensorrt/plugins.py) hand it to TensorRT. MoeAlign and MoeCombine are the
+FP8 MoE's own launches (runtime/aot/moe.py). The kernels' parameters are in TensorRT's launch order (inputs,
 extra int32 scalars, outputs) and the tile rules are moe_int4.py's own, so AOT and JIT run the same code.
 """
 
@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from k2trt.dtypes import torch_dtype
 from k2trt.runtime.kernels import moe_int4
-from k2trt.runtime.trt.aot import config_key, shrink_tiles
-from k2trt.runtime.trt.aot_linear import act_pointer
+from k2trt.runtime.aot.ptx import config_key, shrink_tiles
+from k2trt.runtime.aot.linear import act_pointer
 
 
 @dataclass(frozen=True)

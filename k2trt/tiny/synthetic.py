@@ -19,7 +19,7 @@ from k2trt.graphs import weights as W
 from k2trt.graphs.fp8 import quantize_weight
 from k2trt.quantization import FP8_BLOCK, INT4_GROUP
 from k2trt.runtime.text.tokenizer import NUM_RESERVED_SPECIAL
-from k2trt.tools.tiny_tokenizer import SPECIAL_OFFSETS
+from k2trt.tiny.tokenizer import SPECIAL_OFFSETS
 
 # Initialization scales, in one place to tune. Linear weights are normal with std = factor / sqrt(in_features);
 # the two linears that write into the residual stream (o_proj, down_proj) are smaller so it stays tame.

@@ -3,7 +3,7 @@
 An AOT plugin is exactly one compiled kernel per (types, tactic), launched by TensorRT with the arguments
 (input pointers..., extra int32 scalars..., output pointers...). The kernel is runtime/kernels/fp8_linear.py's
 fp8_linear_aot_kernel: the GEMM quantizes each [BM, 128] activation tile itself (W8A8) with the same @triton.jit
-helpers as the two-launch path. runtime/trt/aot.py compiles a launch to PTX.
+helpers as the two-launch path. runtime/aot/ptx.py compiles a launch to PTX.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from k2trt.dtypes import torch_dtype
 from k2trt.graphs.fp8 import BLOCK, PER_TOKEN_GROUP, WEIGHT_DEQUANT, cdiv
 from k2trt.runtime.kernels.fp8_linear import act_code, dot16, fp8_linear_aot_kernel, tactic_config
-from k2trt.runtime.trt.aot import config_key, shrink_tiles
+from k2trt.runtime.aot.ptx import config_key, shrink_tiles
 
 # activation dtype name -> Triton pointer type (the kernels' ACT code comes from fp8_linear.act_code)
 ACT_POINTERS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}

@@ -1,6 +1,6 @@
 """AOT launches of the four MoE stage plugins (graphs/contracts.MOE_STAGES): which kernel of runtime/kernels/moe.py,
-with which constants, tiles, grid and extra scalars. runtime/trt/aot.py compiles a launch to PTX; the plugin
-functions (runtime/trt/plugins.py) hand the result to TensorRT. The kernels' parameters are already in TensorRT's
+with which constants, tiles, grid and extra scalars. runtime/aot/ptx.py compiles a launch to PTX; the plugin
+functions (runtime/tensorrt/plugins.py) hand the result to TensorRT. The kernels' parameters are already in TensorRT's
 launch order, and the tile rules are moe.py's own, so the AOT plugins and the JIT path run the same code.
 
 Every launch answers grid(num_pairs, num_tokens, minimum) and extra_args(num_pairs, num_tokens) on ints and on
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from k2trt.dtypes import torch_dtype
 from k2trt.graphs.fp8 import BLOCK, PER_TOKEN_GROUP, cdiv
 from k2trt.runtime.kernels import moe
-from k2trt.runtime.trt.aot import config_key, shrink_tiles
-from k2trt.runtime.trt.aot_linear import act_pointer
+from k2trt.runtime.aot.ptx import config_key, shrink_tiles
+from k2trt.runtime.aot.linear import act_pointer
 
 
 def _ptr(act: str) -> str:

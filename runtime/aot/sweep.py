@@ -1,13 +1,13 @@
-"""`python -m k2trt.tools.aot_configs`: compile every distinct AOT configuration the plugins can ask for, for a GPU
+"""`python -m k2trt.runtime.aot.sweep`: compile every distinct AOT configuration the plugins can ask for, for a GPU
 architecture, on a CPU (Triton's compiler and its bundled ptxas; no GPU, no TensorRT).
 
 The launches are those of the plugin nodes in the TensorRT-bound graphs (every node kind, every activation dtype,
 both FP8 modes, the tiny and K2 configs with FP8 and with INT4 experts — K2 also in expert ranges, each also split
 for expert parallelism —, every tactic) and of `k2trt doctor`'s one-node cases, each made by the plugins' own table
-(runtime/trt/aot_nodes.py). Launches that compile to the same code (aot.config_key) are compiled once, on as many
+(runtime/aot/nodes.py). Launches that compile to the same code (aot.config_key) are compiled once, on as many
 processes as cores. For each: the configuration compile_launch settles on (it shrinks until the shared memory fits
 aot.AOT_SHARED_LIMIT), its shared memory, and ptxas' registers and spills, which must fit the register file with
-no spill. Each result is kept on disk under a key of the code that compiles it (k2trt/tools/aot_cache.py), so a
+no spill. Each result is kept on disk under a key of the code that compiles it (runtime/aot/result_cache.py), so a
 second run compiles only what changed. `--json FILE` writes the results (tests/test_aot_compile.py reads them);
 the exit status is 1 if any configuration does not fit.
 """
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from k2trt.config import K2Config
 from k2trt.graphs import contracts
 from k2trt.graphs.fp8 import PER_TOKEN_GROUP, WEIGHT_DEQUANT
-from k2trt.tools.aot_compile import ARCH, PTX, _compile_dict, launch_dict, launch_from_dict
+from k2trt.runtime.aot.compile_one import ARCH, PTX, _compile_dict, launch_dict, launch_from_dict
 
 CONFIGS = ("tiny", "kimi-k2", "tiny-int4", "kimi-k2-thinking")  # FP8 and INT4 experts (K2-Thinking's)
 MODES = (WEIGHT_DEQUANT, PER_TOKEN_GROUP)
@@ -47,7 +47,7 @@ class Request:
 
 
 def node_requests(source: str, op_type: str, act: str | None, aq: int, sizes: dict) -> list[Request]:
-    from k2trt.runtime.trt.aot_nodes import AOT_NODES
+    from k2trt.runtime.aot.nodes import AOT_NODES
 
     row = AOT_NODES[op_type]
     return [Request(source, op_type, t, row.launch(act, aq, t, sizes)) for t in row.every_tactic()]
@@ -63,8 +63,8 @@ def graph_requests(cfg_name: str, act: str, aq: int, expert_ranges: int = 1, exp
     from k2trt.export.block_graphs import build_block_graph
     from k2trt.export.onnx_ops import dims, value_types
     from k2trt.export.split_moe import split_moe
-    from k2trt.runtime.trt.aot_nodes import AOT_NODES
-    from k2trt.runtime.trt.plugins import check_input_dtypes
+    from k2trt.runtime.aot.nodes import AOT_NODES
+    from k2trt.runtime.tensorrt.plugins import check_input_dtypes
 
     cfg = K2Config.preset(cfg_name)
     out = []
@@ -90,9 +90,9 @@ def graph_requests(cfg_name: str, act: str, aq: int, expert_ranges: int = 1, exp
 
 
 def case_requests(act: str, aq: int) -> list[Request]:
-    """The launches of `k2trt doctor`'s one-node cases (k2trt/tools/plugin_cases.py), sizes as the plugins read
+    """The launches of `k2trt doctor`'s one-node cases (runtime/tensorrt/plugin_cases.py), sizes as the plugins read
     them from the cases' inputs."""
-    from k2trt.tools.plugin_cases import node_cases
+    from k2trt.runtime.tensorrt.plugin_cases import node_cases
 
     out = []
     for case in node_cases(act, aq):
@@ -105,7 +105,7 @@ def case_activation(case) -> str | None:
 
 
 def case_sizes(case) -> dict:
-    from k2trt.runtime.trt.aot_nodes import AOT_NODES
+    from k2trt.runtime.aot.nodes import AOT_NODES
 
     return AOT_NODES[case.op_type].sizes_of(lambda i, axis: int(case.inputs[i].shape[axis]), case.attrs.__getitem__)
 
@@ -207,12 +207,12 @@ def result_line(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m k2trt.tools.aot_configs", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m k2trt.runtime.aot.sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="write every configuration's result here")
     p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
                    help="compiling processes (default: the cores this process may run on)")
     p.add_argument("--no-cache", action="store_true",
-                   help="compile every configuration, reading and writing no stored result (k2trt/tools/aot_cache.py)")
+                   help="compile every configuration, reading and writing no stored result (runtime/aot/result_cache.py)")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     p.add_argument("--dtypes", nargs="+", default=list(contracts.ACTIVATION_DTYPES),
                    choices=contracts.ACTIVATION_DTYPES)
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     requests = all_requests(tuple(args.configs), tuple(args.dtypes))
     unique = distinct(requests)
-    from k2trt.tools.aot_cache import ResultCache
+    from k2trt.runtime.aot.result_cache import ResultCache
 
     cache = None if args.no_cache else ResultCache()
     print(f"{len(requests)} launches, {len(unique)} distinct configurations; compiling for sm_{ARCH} "

@@ -8,9 +8,9 @@ from __future__ import annotations
 import sys
 
 from k2trt.errors import K2Error
-from k2trt.runtime.commands.generate import (ChatPrinter, PrefillProgress, StreamPrinter, add_sampling_arguments,
+from k2trt.runtime.entrypoints.generate import (ChatPrinter, PrefillProgress, StreamPrinter, add_sampling_arguments,
                                              chat_parser, stop_rules, to_sampling_params)
-from k2trt.runtime.commands.model import add_model_arguments, load_model, make_generator
+from k2trt.runtime.entrypoints.model import add_model_arguments, load_model, make_generator
 
 
 def add_arguments(p) -> None:

@@ -5,10 +5,10 @@ kernel, so each has
   * a JIT implementation (`impl`: Python at every enqueue, the Triton kernels of runtime/kernels launched from
     torch on TensorRT's stream) — for debugging, and for TensorRT 10.6–10.8;
   * an AOT implementation (`aot_impl`: the same kernel compiled to PTX at build time and embedded in the engine,
-    runtime/trt/aot*.py) — the engine then runs without Python (trtexec, C++, Triton Inference Server).
+    runtime/aot/) — the engine then runs without Python (trtexec, C++, Triton Inference Server).
 
 Which one a node uses is decided by the node's `aot` attribute, which `k2trt build` writes on every node
-(runtime/trt/build.with_aot_attribute): with both implementations registered and neither the attribute nor a
+(runtime/engines/builder.with_aot_attribute): with both implementations registered and neither the attribute nor a
 PREFER_*_PYTHON_PLUGINS network flag, TensorRT's plugin creator refuses the node (tensorrt/plugin/_lib.py,
 _TemplatePluginCreator.create_plugin; the parser reads `aot` in onnx-tensorrt importerUtils.cpp createPlugin).
 
@@ -85,8 +85,8 @@ class PluginSpec:
 
 
 def plugin_specs() -> dict[str, PluginSpec]:
-    """op_type -> PluginSpec, for every node of the TensorRT-bound graphs (tactics: runtime/trt/aot_nodes.py)."""
-    from k2trt.runtime.trt.aot_nodes import AOT_NODES
+    """op_type -> PluginSpec, for every node of the TensorRT-bound graphs (tactics: runtime/aot/nodes.py)."""
+    from k2trt.runtime.aot.nodes import AOT_NODES
 
     return {c.op_type: PluginSpec(c, AOT_NODES[c.op_type].tactics) for c in contracts.TENSORRT}
 
@@ -251,7 +251,7 @@ def _aot_launch(launch, grid, extra):
     grid — grid(launch as compiled) -> (grid_x, grid_y) — and the extra int32 scalars."""
     import tensorrt.plugin as trtp
 
-    from k2trt.runtime.trt import aot
+    from k2trt.runtime.aot import ptx as aot
 
     launch, kernel = aot.compile_launch(launch)
     params = trtp.KernelLaunchParams()
@@ -278,9 +278,9 @@ def _constant(expr, what: str) -> int:
 
 
 def _node_launch(op_type: str, descs: dict, attrs: dict, act: str | None, tactic):
-    """The launch runtime/trt/aot_nodes.py's row makes for this node: static sizes read from its input
+    """The launch runtime/aot/nodes.py's row makes for this node: static sizes read from its input
     descriptors' constant dims and its attributes."""
-    from k2trt.runtime.trt.aot_nodes import AOT_NODES
+    from k2trt.runtime.aot.nodes import AOT_NODES
 
     def dim(name, axis):
         d = descs[name]
@@ -528,7 +528,7 @@ _REGISTERED: set[str] = set()
 def register_plugins() -> dict[str, str]:
     """Register every plugin with tensorrt.plugin (once per process); returns op_type -> "jit+aot" | "jit".
     Must run before an ONNX graph with our nodes is parsed and before an engine with JIT plugins is deserialized."""
-    from k2trt.runtime.trt.environment import import_tensorrt_plugin
+    from k2trt.runtime.tensorrt.environment import import_tensorrt_plugin
 
     _, trtp = import_tensorrt_plugin()
     has_aot = hasattr(trtp, "aot_impl")  # TensorRT >= 10.9

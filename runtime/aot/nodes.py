@@ -2,7 +2,7 @@
 node's weight inputs and attributes), the tactics TensorRT times, and the launch for an activation dtype, FP8 mode,
 tactic and those sizes.
 
-The plugins' aot_impl (runtime/trt/plugins.py), the compile test that compiles every configuration for sm_90
+The plugins' aot_impl (runtime/tensorrt/plugins.py), the compile test that compiles every configuration for sm_90
 (tests/test_aot_compile.py) and `k2trt doctor`'s cases all take their launches from here, so a new kernel — INT4
 experts, say — is a new row, checked by all three.
 """
@@ -16,7 +16,9 @@ from k2trt.quantization import PACK_FACTOR
 from k2trt.runtime.kernels.fp8_linear import LINEAR_TACTIC_ROWS
 from k2trt.runtime.kernels.moe import GEMM_TACTICS
 from k2trt.runtime.kernels.moe_int4 import INT4_TACTICS
-from k2trt.runtime.trt import aot_linear, aot_moe, aot_moe_int4
+from k2trt.runtime.aot import linear as aot_linear
+from k2trt.runtime.aot import moe as aot_moe
+from k2trt.runtime.aot import moe_int4 as aot_moe_int4
 
 # where a static size comes from: (input name, axis) of a weight input (static in every graph), or an attribute
 Size = Union[tuple[str, int], str]
@@ -27,7 +29,7 @@ DEFAULT_TACTIC = 0  # what TensorRT passes a plugin that declares no custom tact
 class AotNode:
     op_type: str
     sizes: dict[str, Size]
-    make: Callable  # make(act, activation_quant, tactic, **sizes) -> a launch (runtime/trt/aot.compile_launch)
+    make: Callable  # make(act, activation_quant, tactic, **sizes) -> a launch (runtime/aot/ptx.compile_launch)
     tactics: tuple[int, ...] = ()  # custom tactics TensorRT times; () = one default
 
     def sizes_of(self, dim: Callable[[str, int], int], attr: Callable[[str], int]) -> dict[str, int]:

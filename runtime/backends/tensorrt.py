@@ -29,9 +29,9 @@ from k2trt.dtypes import torch_dtype
 from k2trt.runtime.backends.contract import (BackendLimits, Progress, WeightSource, bound_kinds,
                                             prepare_each)
 from k2trt.runtime.backends.graph_weights import graph_weights, source_names
-from k2trt.runtime.trt import engine_manifest as EM
-from k2trt.runtime.trt import environment
-from k2trt.runtime.trt.profiles import DECODE, check_call_shape, eval_dim, profile_index
+from k2trt.runtime.tensorrt import engine_manifest as EM
+from k2trt.runtime.tensorrt import environment
+from k2trt.runtime.tensorrt.profiles import DECODE, check_call_shape, eval_dim, profile_index
 
 
 
@@ -162,7 +162,7 @@ class TrtBackend:
                  cuda_graphs: bool = False, device: int = 0, verbose: bool = False, expert_parallel: int = 1):
         trt = environment.import_tensorrt()
         environment.require_cuda()
-        from k2trt.runtime.trt.plugins import register_plugins
+        from k2trt.runtime.tensorrt.plugins import register_plugins
 
         engine_dir = Path(engine_dir)
         export = read_manifest(Path(export_dir)) if export_dir is not None else None

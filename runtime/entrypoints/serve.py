@@ -15,7 +15,7 @@ import sys
 
 from k2trt.args import at_least, non_negative_number, port, positive_number
 from k2trt.errors import K2Error
-from k2trt.runtime.commands.model import add_model_arguments, add_pipeline_arguments, launch_if_asked, load_model
+from k2trt.runtime.entrypoints.model import add_model_arguments, add_pipeline_arguments, launch_if_asked, load_model
 
 DEFAULT_MAX_BATCH = 16
 

@@ -4,9 +4,9 @@
                 [--timing-cache FILE] [--plugins aot|jit]
 
 Reads the export manifest, registers our plugins, writes the `aot` attribute on every plugin node, parses each
-trt/<kind>.onnx into a strongly typed network, adds the two profiles (runtime/trt/profiles.py), builds with a
+trt/<kind>.onnx into a strongly typed network, adds the two profiles (runtime/tensorrt/profiles.py), builds with a
 shared timing cache (showing TensorRT's progress), and writes <kind>.engine atomically plus manifest.json
-(runtime/trt/engine_manifest.py). Needs TensorRT and an NVIDIA GPU; without them it stops with one line saying
+(runtime/tensorrt/engine_manifest.py). Needs TensorRT and an NVIDIA GPU; without them it stops with one line saying
 which is missing.
 
 The JIT/AOT rule, decided once: every plugin node gets an explicit `aot` (1 by default: the engine runs without
@@ -27,10 +27,10 @@ from k2trt.dirlock import writing
 from k2trt.errors import K2Error
 from k2trt.config import BLOCK_KINDS, MOE_PART_KINDS
 from k2trt.export_manifest import graph_file, read_manifest
-from k2trt.runtime.trt import engine_manifest as EM
-from k2trt.runtime.trt import environment
-from k2trt.runtime.trt.progress import BuildProgress, progress_monitor
-from k2trt.runtime.trt.profiles import (ProfileSpec, add_profile_arguments, graph_profiles, is_dynamic,
+from k2trt.runtime.tensorrt import engine_manifest as EM
+from k2trt.runtime.tensorrt import environment
+from k2trt.runtime.engines.monitor import BuildProgress, progress_monitor
+from k2trt.runtime.tensorrt.profiles import (ProfileSpec, add_profile_arguments, graph_profiles, is_dynamic,
                                         spec_from_args)
 
 
@@ -74,7 +74,7 @@ def build_engines(onnx_dir: Path, out: Path, spec: ProfileSpec, kinds=None, plug
     # Only now the heavy dependencies: every input error above is reported without TensorRT.
     trt = environment.import_tensorrt()
     environment.require_cuda()
-    from k2trt.runtime.trt.plugins import register_plugins
+    from k2trt.runtime.tensorrt.plugins import register_plugins
 
     modes = register_plugins()  # before parsing: the parser looks our nodes up in the plugin registry
     aot = plugins == "aot"
@@ -130,7 +130,7 @@ def timing_cache_file(path: Path, act: str, activation_quant: int | None) -> Pat
 
 def check_plugin_modes(modes: dict[str, str], aot: bool, version: str) -> None:
     """AOT engines need every plugin to have its AOT implementation registered (TensorRT >= 10.9)."""
-    from k2trt.runtime.trt.plugins import AOT_PLUGINS_SINCE
+    from k2trt.runtime.tensorrt.plugins import AOT_PLUGINS_SINCE
 
     if aot and any(m != "jit+aot" for m in modes.values()):
         raise K2Error(f"AOT plugins need TensorRT >= {AOT_PLUGINS_SINCE}, this is {version}; "
@@ -139,7 +139,7 @@ def check_plugin_modes(modes: dict[str, str], aot: bool, version: str) -> None:
 
 def configure_aot_target(env: dict):
     """Compile AOT kernels for this GPU, with a PTX version this driver (and Triton's ptxas) accepts."""
-    from k2trt.runtime.trt import aot
+    from k2trt.runtime.aot import ptx as aot
 
     major, minor = (int(v) for v in env["compute_capability"].split("."))
     arch = major * 10 + minor

@@ -42,7 +42,7 @@ def require_cuda():
 # TensorRT versions k2trt supports (pyproject.toml's gpu extras say the same): 10.15 is the first whose
 # tensorrt.plugin resets SymIntExpr._exprBuilder after each shape call (_plugin_class.py get_output_shapes and
 # get_launch_params, v10.15), which MoeAlign's [E + 1] output relies on; 11.x is checked against the stand-in
-# (its tensorrt.plugin is 10.16's, its network flags moved: runtime/trt/build.network_flags).
+# (its tensorrt.plugin is 10.16's, its network flags moved: runtime/engines/builder.network_flags).
 TENSORRT_SUPPORTED = ((10, 15), (12, 0))  # [first, first unsupported)
 
 

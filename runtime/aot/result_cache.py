@@ -7,7 +7,7 @@ ptxas chosen through TRITON_PTXAS_PATH. Those make the key of a folder, the laun
 in it, so an edit to a kernel compiles again and nothing stale is ever read.
 
 Where: $K2TRT_AOT_CACHE, else $XDG_CACHE_HOME/k2trt/aot, else ~/.cache/k2trt/aot. Clearing it is deleting that
-folder; `python -m k2trt.tools.aot_configs --no-cache` compiles everything and writes nothing here.
+folder; `python -m k2trt.runtime.aot.sweep --no-cache` compiles everything and writes nothing here.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from k2trt.atomic import atomic_write_text
 
 FORMAT = 1  # of a stored file (job and result): a change to its layout bumps it
 # the modules a compile runs (aot_compile.compile_one, every launch class); their k2trt imports are followed
-ROOTS = ("k2trt.tools.aot_compile", "k2trt.runtime.trt.aot", "k2trt.runtime.trt.aot_linear",
-         "k2trt.runtime.trt.aot_moe", "k2trt.runtime.trt.aot_moe_int4")
+ROOTS = ("k2trt.runtime.aot.compile_one", "k2trt.runtime.aot.ptx", "k2trt.runtime.aot.linear",
+         "k2trt.runtime.aot.moe", "k2trt.runtime.aot.moe_int4")
 
 
 def cache_root() -> Path:

@@ -8,7 +8,7 @@ TensorRT's rules for the PTX (tensorrt/plugin/_plugin_class.py _TemplateAOTPlugi
     "Shared Memory"), so launches shrink until they fit AOT_SHARED_LIMIT;
   * the PTX is JIT-compiled where the engine is loaded: its `.version` must not exceed the PTX ISA the driver
     accepts (PTX ISA release notes: CUDA 12.x accepts up to 8.x, 13.0 up to 9.0), chosen by the builder
-    (runtime/trt/environment.max_ptx_version) and set with `configure`;
+    (runtime/tensorrt/environment.max_ptx_version) and set with `configure`;
   * every entry name is unique (launch digest + a sequence number): one engine holds many plugins' kernels, and
     nothing in TensorRT's documentation says they live in separate modules.
 Pointers are declared 16-byte divisible (`tt.divisibility`, as triton/tools/compile.py declares them), which lets

@@ -13,7 +13,7 @@ from pathlib import Path
 from k2trt.args import at_least, checked, integer
 from k2trt.errors import K2Error
 from k2trt.files import parse_json, read_text
-from k2trt.runtime.commands.model import (add_model_arguments, add_pipeline_arguments, launch_if_asked, load_model,
+from k2trt.runtime.entrypoints.model import (add_model_arguments, add_pipeline_arguments, launch_if_asked, load_model,
                                           make_generator, progress_line)
 from k2trt.runtime.generation.sampling import DEFAULTS, SamplingParams, field_problem
 from k2trt.runtime.text.chat_output import ChatOutputParser, template_thinks

@@ -1,7 +1,7 @@
 """One AOT launch compiled as `k2trt build` would compile it, for a GPU architecture, on a CPU: the configuration
 compile_launch settles on, its shared memory and ptxas' registers and spills. What a result depends on is this
-module and what it imports (k2trt/tools/aot_cache.py keys stored results by their sources); the table of launches
-to compile is k2trt/tools/aot_configs.py's.
+module and what it imports (runtime/aot/result_cache.py keys stored results by their sources); the table of launches
+to compile is runtime/aot/sweep.py's.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ def launch_dict(launch) -> dict:
 
 
 def launch_from_dict(d: dict):
-    from k2trt.runtime.trt import aot_linear, aot_moe, aot_moe_int4
+    from k2trt.runtime.aot import linear as aot_linear
+    from k2trt.runtime.aot import moe as aot_moe
+    from k2trt.runtime.aot import moe_int4 as aot_moe_int4
 
     classes = {c.__name__: c for c in (aot_linear.LinearLaunch, aot_moe.GemmLaunch, aot_moe.AlignLaunch,
                                        aot_moe.CombineLaunch, aot_moe_int4.Int4GemmLaunch)}
@@ -28,7 +30,7 @@ def launch_from_dict(d: dict):
 
 def compile_one(launch, arch: int = ARCH, ptx: int | None = PTX) -> dict:
     """Compile a launch as `k2trt build` would (shrinking to fit), then ptxas -v the PTX it hands TensorRT."""
-    from k2trt.runtime.trt import aot
+    from k2trt.runtime.aot import ptx as aot
 
     t0 = time.perf_counter()
     result = {"requested": launch_dict(launch)}

@@ -26,7 +26,7 @@ from k2trt.dirlock import writer_lock
 from k2trt.config import K2Config
 from k2trt.errors import K2Error
 from k2trt.runtime.text.tokenizer import NUM_RESERVED_SPECIAL
-from k2trt.tools.synthetic import synthetic_tensors
+from k2trt.tiny.synthetic import synthetic_tensors
 
 DEFAULT_SHARDS = 7
 # --format -> (config preset, tokenizer flavor)
@@ -56,7 +56,7 @@ def make_tiny(out_dir: str | Path, seed: int = 0, config: K2Config | None = None
     """Write the tiny checkpoint (and tokenizer) to out_dir. It is built in a hidden sibling directory
     and renamed into place at the end, so an interrupted run leaves nothing half-written; the parent directory's
     writer lock keeps two runs apart, and what a killed run left beside out_dir is removed first."""
-    from k2trt.tools.tiny_tokenizer import write_tiny_tokenizer
+    from k2trt.tiny.tokenizer import write_tiny_tokenizer
 
     preset, flavor = FORMATS[format]
     cfg = config or K2Config.preset(preset)
