@@ -15,21 +15,21 @@ from k2trt.errors import READER_GONE, K2Error
 
 # subcommand -> (module, one-line help). Each module has add_arguments(parser) and run(args) -> int.
 COMMANDS = {
-    "make-tiny": ("k2trt.tiny.checkpoint", "write the embedded tiny K2 checkpoint (K2's exact on-disk format)"),
-    "inspect": ("k2trt.tools.inspect_checkpoint",
+    "make-tiny": ("k2trt.commands.make_tiny", "write the embedded tiny K2 checkpoint (K2's exact on-disk format)"),
+    "inspect": ("k2trt.commands.inspect",
                 "parameter table of a checkpoint or preset, cross-checked against headers"),
     "export": ("k2trt.commands.export", "export per-block ONNX graphs (TensorRT-bound and ONNX Runtime forms)"),
-    "build": ("k2trt.runtime.engines.builder", "build TensorRT engines from the exported graphs (needs TensorRT + GPU)"),
-    "generate": ("k2trt.runtime.entrypoints.generate", "generate text through the exported graphs or engines"),
-    "chat": ("k2trt.runtime.entrypoints.chat", "interactive chat with history"),
-    "bench": ("k2trt.tools.bench", "prefill/decode tokens/s of the runtime against transformers and the torch "
+    "build": ("k2trt.commands.build", "build TensorRT engines from the exported graphs (needs TensorRT + GPU)"),
+    "generate": ("k2trt.commands.generate", "generate text through the exported graphs or engines"),
+    "chat": ("k2trt.commands.chat", "interactive chat with history"),
+    "bench": ("k2trt.commands.bench", "prefill/decode tokens/s of the runtime against transformers and the torch "
                                    "reference (or pipeline stages against one process)"),
     "compare": ("k2trt.commands.compare", "accuracy of each backend against the torch reference, via polygraphy"),
-    "serve": ("k2trt.runtime.entrypoints.serve", "an OpenAI-compatible HTTP server with continuous batching"),
-    "bench-serve": ("k2trt.tools.bench_serve",
+    "serve": ("k2trt.commands.serve", "an OpenAI-compatible HTTP server with continuous batching"),
+    "bench-serve": ("k2trt.commands.bench_serve",
                     "concurrent clients over HTTP against a live server: tokens/s, TTFT, ITL"),
-    "plan": ("k2trt.tools.plan", "split the model over N devices as pipeline stages, by exact bytes"),
-    "doctor": ("k2trt.tools.doctor", "check the TensorRT path on this machine: versions, plugins, engines, tokens"),
+    "plan": ("k2trt.commands.plan", "split the model over N devices as pipeline stages, by exact bytes"),
+    "doctor": ("k2trt.commands.doctor", "check the TensorRT path on this machine: versions, plugins, engines, tokens"),
 }
 
 

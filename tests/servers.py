@@ -111,11 +111,12 @@ class Gate(BackendWrapper):
 class InProcessServer:
     def __init__(self, ckpt, onnx, *serve_args: str):
         from k2trt.runtime.backends.factory import BackendChoice, open_backend
+        from k2trt.commands import serve as serve_command
         from k2trt.runtime.entrypoints import serve
         from k2trt.runtime.entrypoints.model import LoadedModel, open_model
 
         parser = argparse.ArgumentParser()
-        serve.add_arguments(parser)
+        serve_command.add_arguments(parser)
         self.port = free_port()
         args = parser.parse_args(["--model", str(ckpt), "--onnx", str(onnx), "--served-model-name", "tiny",
                                   "--log-level", "warning", "--port", str(self.port), *serve_args])

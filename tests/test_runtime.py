@@ -11,7 +11,7 @@ from k2trt.checkpoint import Checkpoint
 from k2trt.cli import main
 from k2trt.graphs.reference import ReferenceModel, greedy_generate
 from k2trt.runtime.backends.contract import BackendLimits, BackendWrapper
-from k2trt.runtime.entrypoints.generate import StreamPrinter
+from k2trt.runtime.entrypoints.printers import StreamPrinter
 from k2trt.runtime.generation.generator import Generator
 from k2trt.runtime.generation.limits import Limits
 from k2trt.runtime.backends.ort import OrtBackend

@@ -53,7 +53,7 @@ def test_the_cli_refuses_with_the_fields_own_rule(tiny_ckpt, capsys, flag, value
 def test_defaults_live_in_sampling(tiny_ckpt):
     import argparse
 
-    from k2trt.runtime.entrypoints.generate import add_sampling_arguments, to_sampling_params
+    from k2trt.runtime.entrypoints.sampling_args import add_sampling_arguments, to_sampling_params
     from k2trt.runtime.serve.protocol import CompletionRequest
 
     p = argparse.ArgumentParser()

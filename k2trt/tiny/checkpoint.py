@@ -19,7 +19,6 @@ import os
 import shutil
 from pathlib import Path
 
-from k2trt.args import seed
 from k2trt.atomic import remove_temporaries, temporary_name
 from k2trt.checkpoint_writer import write_checkpoint
 from k2trt.dirlock import writer_lock
@@ -113,15 +112,6 @@ def _replace_dir(new: Path, target: Path) -> None:
         shutil.rmtree(old)
     else:
         old.unlink()
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dir", metavar="DIR", type=Path, help="output directory (created; must be empty)")
-    parser.add_argument("--seed", type=seed, default=0, help="random seed (default 0)")
-    parser.add_argument("--force", action="store_true", help="replace DIR if it exists and is not empty")
-    parser.add_argument("--format", choices=list(FORMATS), default="fp8",
-                        help="fp8: Kimi-K2-Instruct (default); int4: Kimi-K2-Thinking (INT4 experts); "
-                             "k2.5: the INT4 model in Kimi-K2.5's layout")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,37 +6,16 @@ absolute claims: each repeat runs every backend in turn on the same prompts, and
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from k2trt.args import at_least, int_list
 from k2trt.errors import K2Error, MissingDependency
 from k2trt.tiny.synthetic import synthetic_prompts
-from k2trt.hub import model_dir
 
 RUNTIME, TRANSFORMERS, REFERENCE = "runtime", "transformers", "reference"
 PHASES = ("prefill", "decode")
 SANITY_PROMPT, SANITY_TOKENS = 16, 8  # the greedy tokens of transformers and the runtime must agree here
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=model_dir, required=True)
-    p.add_argument("--onnx", type=Path, required=True)
-    p.add_argument("--batch", type=int_list(1), default=[1, 4, 16], help="batch sizes, comma-separated")
-    p.add_argument("--prompt-len", type=int_list(1), default=[16, 128, 512], help="prompt lengths, comma-separated")
-    p.add_argument("--new-tokens", type=at_least(1), default=16)
-    p.add_argument("--repeat", type=at_least(1), default=3,
-                   help="timed runs of every backend per row (median reported)")
-    p.add_argument("--baselines", default=f"{TRANSFORMERS},{REFERENCE}",
-                   help=f"comma-separated: {TRANSFORMERS} (needs the bench extra), {REFERENCE} (eager torch)")
-    p.add_argument("--json", action="store_true")
-    from k2trt.runtime.entrypoints.model import add_pipeline_arguments
-
-    # --pipeline P / --expert-parallel E: the per-step time of the ranks against one process (pipeline_bench)
-    add_pipeline_arguments(p, micro_batch_list=True)
 
 
 @dataclass

@@ -17,7 +17,6 @@ About a minute on a GPU machine, most of it compiling the AOT kernels and buildi
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 from dataclasses import dataclass
@@ -28,12 +27,6 @@ from k2trt.errors import K2Error, MissingDependency
 
 PROMPT = [11, 22, 33, 44, 55]  # token ids of the tiny vocabulary
 NEW_TOKENS = 8
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--plugins", choices=("aot", "jit"), default="aot",
-                   help="the plugin implementation to check (default aot, what `k2trt build` uses)")
-    p.add_argument("--keep", type=Path, help="keep the tiny model's graphs and engines in this directory")
 
 
 def missing_dependencies() -> list[str]:

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 from k2trt.config import K2Config
 from k2trt.errors import K2Error
-from k2trt.hub import model_dir
 from k2trt.graphs.weights import (
     PARAM,
     TensorSpec,
@@ -254,13 +253,6 @@ def render_json(source: str, cfg: K2Config, rows: list[Row], diffs: list[str] | 
 
 
 # ---- CLI -----------------------------------------------------------------------------------------
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dir", metavar="DIR", nargs="?", type=model_dir,
-                        help="a checkpoint directory, or owner/name[@revision] from the Hugging Face cache")
-    parser.add_argument("--preset", metavar="NAME", help="a built-in config instead (kimi-k2, kimi-k2-thinking, tiny, tiny-int4, tiny-k2.5)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-
 
 def run(args: argparse.Namespace) -> int:
     if (args.dir is None) == (args.preset is None):

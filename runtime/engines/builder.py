@@ -18,7 +18,6 @@ importerUtils.cpp createPlugin), so the attribute alone decides and no flag is s
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
@@ -30,27 +29,10 @@ from k2trt.export_manifest import graph_file, read_manifest
 from k2trt.runtime.tensorrt import engine_manifest as EM
 from k2trt.runtime.tensorrt import environment
 from k2trt.runtime.engines.monitor import BuildProgress, progress_monitor
-from k2trt.runtime.tensorrt.profiles import (ProfileSpec, add_profile_arguments, graph_profiles, is_dynamic,
-                                        spec_from_args)
+from k2trt.runtime.tensorrt.profiles import (ProfileSpec, graph_profiles, is_dynamic, spec_from_args)
 
 
 PLUGIN_MODES = ("aot", "jit")
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--onnx", type=Path, required=True, help="export directory (written by `k2trt export`)")
-    p.add_argument("--out", type=Path, required=True, help="engine directory to write")
-    add_profile_arguments(p)
-    p.add_argument("--timing-cache", type=Path,
-                   help="TensorRT timing cache to read and update (speeds up rebuilds); one file per activation "
-                        "dtype and FP8 mode: FILE.bfloat16-w8a8 and so on (FILE's suffix kept)")
-    p.add_argument("--kinds", nargs="+", choices=BLOCK_KINDS + MOE_PART_KINDS, default=None,
-                   help="build only these engines (default: every kind, and the MoE block's parts where the export "
-                        "has them: --expert-parallel)")
-    p.add_argument("--plugins", choices=PLUGIN_MODES, default="aot",
-                   help="aot: plugin kernels compiled into the engine, which then runs without Python (default); "
-                        "jit: Python calls the kernels at every enqueue (debugging)")
-    p.add_argument("--verbose", action="store_true", help="TensorRT's verbose log")
 
 
 def run(args) -> int:

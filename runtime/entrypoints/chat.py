@@ -8,15 +8,10 @@ from __future__ import annotations
 import sys
 
 from k2trt.errors import K2Error
-from k2trt.runtime.entrypoints.generate import (ChatPrinter, PrefillProgress, StreamPrinter, add_sampling_arguments,
-                                             chat_parser, stop_rules, to_sampling_params)
-from k2trt.runtime.entrypoints.model import add_model_arguments, load_model, make_generator
-
-
-def add_arguments(p) -> None:
-    add_model_arguments(p)
-    p.add_argument("--system", default=None, help="system prompt (default: the template's)")
-    add_sampling_arguments(p)
+from k2trt.runtime.entrypoints.generate import chat_parser
+from k2trt.runtime.entrypoints.printers import ChatPrinter, PrefillProgress, StreamPrinter
+from k2trt.runtime.entrypoints.sampling_args import stop_rules, to_sampling_params
+from k2trt.runtime.entrypoints.model import load_model, make_generator
 
 
 def run(args) -> int:

@@ -5,120 +5,21 @@ calls (with --tools) as `tool_calls`."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-from k2trt.args import at_least, checked, integer
 from k2trt.errors import K2Error
 from k2trt.files import parse_json, read_text
-from k2trt.runtime.entrypoints.model import (add_model_arguments, add_pipeline_arguments, launch_if_asked, load_model,
-                                          make_generator, progress_line)
-from k2trt.runtime.generation.sampling import DEFAULTS, SamplingParams, field_problem
+from k2trt.runtime.entrypoints.model import launch_if_asked, load_model, make_generator
+from k2trt.runtime.entrypoints.printers import ChatPrinter, PrefillProgress, StreamPrinter
+from k2trt.runtime.entrypoints.sampling_args import stop_rules, to_sampling_params
 from k2trt.runtime.text.chat_output import ChatOutputParser, template_thinks
-from k2trt.runtime.text.text_stream import StopRules
-
-
-def _sampling_value(name: str, parse, kind: str):
-    """An argparse type checked by the sampling field's own rule (runtime/generation/sampling.py)."""
-    return checked(parse, lambda value: field_problem(name, value), kind)
-
-
-def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=at_least(1), default=64)
-    p.add_argument("--temperature", type=_sampling_value("temperature", float, "a number"),
-                   default=DEFAULTS.temperature, help=f"0 = greedy (default {DEFAULTS.temperature:g})")
-    p.add_argument("--top-k", type=_sampling_value("top_k", integer, "an integer"), default=DEFAULTS.top_k,
-                   help=f"0 = off (default {DEFAULTS.top_k})")
-    p.add_argument("--top-p", type=_sampling_value("top_p", float, "a number"), default=DEFAULTS.top_p,
-                   help=f"1 = off (default {DEFAULTS.top_p:g})")
-    p.add_argument("--seed", type=_sampling_value("seed", integer, "an integer"), default=DEFAULTS.seed,
-                   help=f"(default {DEFAULTS.seed})")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--stop-token-id", action="append", type=at_least(0), default=[], metavar="ID",
-                   help="also stop at this token id (repeatable), besides [EOS] and <|im_end|>")
-    p.add_argument("--hide-thinking", action="store_true",
-                   help="do not show a thinking template's reasoning (it is shown dimmed)")
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_model_arguments(p)
-    p.add_argument("--prompt", action="append", help="raw text, continued as is (repeat for a batch)")
-    p.add_argument("--chat", action="append", help="a user message, wrapped in the chat template (repeatable)")
-    add_sampling_arguments(p)
-    p.add_argument("--tools", metavar="FILE.json", default=None,
-                   help="tools the --chat model may call: a JSON list in the OpenAI API's shape")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    add_pipeline_arguments(p)
 
 
 def check_requests(args) -> None:
     if not args.prompt and not args.chat:
         raise K2Error("give --prompt TEXT or --chat TEXT")
-
-
-def to_sampling_params(args) -> SamplingParams:
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-
-
-def stop_rules(tok, args) -> StopRules:
-    """The model's stop tokens, --stop-token-id and --stop: what ends a sequence and what is never shown."""
-    return StopRules.of(tok, strings=args.stop, stop_ids=args.stop_token_id)
-
-
-class StreamPrinter:
-    """Writes a sequence's text to the terminal as it comes (Generator.generate's on_text): what its TextStream
-    lets it show, so a stop string is cut before any of it is shown, a UTF-8 character is never split and stop
-    tokens are never shown."""
-
-    def __init__(self, out=None):
-        self.out = out or sys.stdout  # the stdout of now, not of import
-
-    def __call__(self, seq: int, text: str) -> None:
-        self.out.write(text)
-        self.out.flush()
-
-    def finish(self) -> None:
-        self(0, "\n")
-
-
-DIM, UNDIM = "\033[2m", "\033[22m"
-
-
-class ChatPrinter(StreamPrinter):
-    """A chat answer as it comes, split by its parser: thinking dimmed on a terminal (plain elsewhere) or hidden,
-    then the content, each tool call on a line of its own when it is complete."""
-
-    def __init__(self, parser: ChatOutputParser, hide_thinking: bool = False, out=None):
-        super().__init__(out)
-        self.parser, self.hide = parser, hide_thinking
-        self.dim = self.out.isatty()
-        self.thinking = False
-
-    def _show(self, delta) -> None:
-        if delta.reasoning and not self.hide:
-            if self.dim and not self.thinking:
-                self.out.write(DIM)
-            self.thinking = True
-            self.out.write(delta.reasoning)
-        if (delta.content or delta.calls) and self.thinking:
-            self.out.write((UNDIM if self.dim else "") + "\n")
-            self.thinking = False
-        self.out.write(delta.content)
-        for call in delta.calls:
-            if call.id is not None:
-                self.out.write(f"\n[tool call {call.id}] ")
-            self.out.write(call.arguments)
-        self.out.flush()
-
-    def __call__(self, seq: int, text: str) -> None:
-        self._show(self.parser.feed(text))
-
-    def finish(self) -> None:
-        self._show(self.parser.finish())
-        self.out.write((UNDIM if self.dim and self.thinking else "") + "\n")
-        self.out.flush()
 
 
 def chat_parser(tok, tools: list | None) -> ChatOutputParser | None:
@@ -148,26 +49,6 @@ def split_answer(parser: ChatOutputParser, text: str) -> dict:
     if parser.tool_calls:
         out["tool_calls"] = [c.as_openai() for c in parser.tool_calls]
     return out
-
-
-class PrefillProgress:
-    """on_prefill for the generator: for prompts of more than a few chunks, one line on the terminal, rewritten
-    after each chunk, with the prompt tokens fed so far (all prompts together)."""
-
-    CHUNKS = 4  # prompts up to this many chunks finish too soon to need a line
-
-    def __init__(self, prompts: list[list[int]], chunk: int, prefix: str = "k2trt generate", stream=None):
-        self.total = sum(len(p) for p in prompts)
-        self.fed: dict[int, int] = {}
-        long = max(len(p) for p in prompts) > self.CHUNKS * chunk
-        self.show = progress_line(prefix, "prefill", stream) if long else None
-
-    def __call__(self, request) -> None:
-        if self.show is None:
-            return
-        self.fed[request.id] = request.fed
-        done = sum(self.fed.values())
-        self.show(done, self.total, f"{100 * done // self.total}% of the prompt tokens")
 
 
 def encode_requests(tok, args, tools: list | None = None) -> list[list[int]]:

@@ -1,0 +1,23 @@
+"""The `k2trt make-tiny` command: its arguments, and the call into k2trt.tiny.checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+import argparse
+
+from k2trt.args import seed
+from k2trt.tiny import checkpoint
+from k2trt.tiny.checkpoint import FORMATS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dir", metavar="DIR", type=Path, help="output directory (created; must be empty)")
+    parser.add_argument("--seed", type=seed, default=0, help="random seed (default 0)")
+    parser.add_argument("--force", action="store_true", help="replace DIR if it exists and is not empty")
+    parser.add_argument("--format", choices=list(FORMATS), default="fp8",
+                        help="fp8: Kimi-K2-Instruct (default); int4: Kimi-K2-Thinking (INT4 experts); "
+                             "k2.5: the INT4 model in Kimi-K2.5's layout")
+
+
+def run(args) -> int:
+    return checkpoint.run(args)
