@@ -1,6 +1,6 @@
 """The layers import one way: base -> config -> graphs -> checkpoint files -> export manifests -> export -> runtime
-(kernels -> AOT -> backend contract -> TensorRT -> engine build -> backends -> text -> generation -> distributed ->
-serve -> entrypoints) -> tiny -> tools -> commands.
+(kernels -> AOT -> backend contract -> TensorRT -> engine build -> backends -> text -> cache -> generation ->
+distributed -> serve -> entrypoints) -> tiny -> tools -> commands.
 
 Every import of a k2trt module anywhere in a file (module level or inside a function) is an edge; an edge from a
 lower layer to a higher one fails, naming the file and the import. Every module must belong to a layer."""
@@ -25,8 +25,8 @@ LAYERS = [
     ("export", ["k2trt.export"]),
     # the runtime's rooms, one way too: kernels, their ahead-of-time compilation, the backend contract, what
     # TensorRT's build and run share (environment, plugins, profiles, the engine manifest), the engine build (and
-    # the AOT sweep, which compiles what the exported graphs ask for), the backends and their factory, text, the step
-    # loop, pipeline stages and expert-parallel ranks, the server, what the commands call
+    # the AOT sweep, which compiles what the exported graphs ask for), the backends and their factory, text, the latent
+    # cache, the step loop, pipeline stages and expert-parallel ranks, the server, what the commands call
     ("runtime.kernels", ["k2trt.runtime", "k2trt.runtime.kernels"]),
     ("runtime.aot", ["k2trt.runtime.aot"]),
     ("runtime.contract", ["k2trt.runtime.backends.contract", "k2trt.runtime.backends.graph_weights"]),
@@ -34,6 +34,7 @@ LAYERS = [
     ("runtime.engines", ["k2trt.runtime.engines", "k2trt.runtime.aot.sweep"]),
     ("runtime.backends", ["k2trt.runtime.backends"]),
     ("runtime.text", ["k2trt.runtime.text"]),
+    ("runtime.cache", ["k2trt.runtime.cache"]),
     ("runtime.generation", ["k2trt.runtime.generation"]),
     ("runtime.distributed", ["k2trt.runtime.distributed"]),
     ("runtime.serve", ["k2trt.runtime.serve"]),

@@ -1,10 +1,10 @@
-"""The page pool's bookkeeping (runtime/generation/pages.py): prefix keys, reuse, reference counts, eviction."""
+"""The page pool's bookkeeping (runtime/cache/pages.py): prefix keys, reuse, reference counts, eviction."""
 
 import numpy as np
 import pytest
 
 from k2trt.errors import K2Error
-from k2trt.runtime.generation.pages import PagePool, cache_rows, page_keys, pages_for
+from k2trt.runtime.cache.pages import PagePool, cache_rows, page_keys, pages_for
 
 
 def prefill(pool: PagePool, tokens: list[int]) -> list[int]:

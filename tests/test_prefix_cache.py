@@ -149,7 +149,7 @@ def test_a_share_of_free_memory_sizes_the_pool_from_what_the_device_has_free(tin
     from k2trt.args import FreeShare
     from k2trt.errors import K2Error
     from k2trt.runtime.entrypoints import model
-    from k2trt.runtime.generation.pages import page_bytes
+    from k2trt.runtime.cache.pages import page_bytes
 
     loaded = model.LoadedModel(open_backend(BackendChoice("ort", tiny_export), Checkpoint.open(tiny_ckpt)), None,
                                Checkpoint.open(tiny_ckpt))
@@ -166,7 +166,7 @@ def test_the_server_reports_cached_tokens_and_refuses_a_request_larger_than_the_
     import httpx
     from servers import InProcessServer, metric
 
-    from k2trt.runtime.generation.pages import PAGE_TOKENS, page_bytes
+    from k2trt.runtime.cache.pages import PAGE_TOKENS, page_bytes
 
     cfg = Checkpoint.open(tiny_ckpt).config
     size = page_bytes(cfg, open_backend(BackendChoice("ort", tiny_export), Checkpoint.open(tiny_ckpt)).act_dtype)
@@ -270,7 +270,7 @@ def test_on_a_gpu_the_pool_defaults_to_a_share_of_free_memory(tiny_ckpt, monkeyp
     from k2trt.errors import K2Error
     from k2trt.runtime.backends.contract import BackendLimits
     from k2trt.runtime.entrypoints import model
-    from k2trt.runtime.generation.pages import PAGE_TOKENS, page_bytes
+    from k2trt.runtime.cache.pages import PAGE_TOKENS, page_bytes
 
     class Named:
         limits, act_dtype = BackendLimits(), torch.float32

@@ -35,7 +35,7 @@ class WeightSource(Protocol):
         (first, stop), only those routed experts (an expert-parallel rank's, config.expert_range)."""
 
 
-# Cache capacities are multiples of this many positions (runtime/generation/cache.bucket), so every slot range of a
+# Cache capacities are multiples of this many positions (runtime/cache/pools.bucket), so every slot range of a
 # latent cache whose per-position row is a multiple of 16 bytes (576 bf16 values for K2) starts 256-byte aligned,
 # as TensorRT requires of every bound address (NvInferRuntime.h IExecutionContext::setTensorAddress). A backend
 # built for a --max-seq that is not a multiple accepts the capacity rounded up (runtime/tensorrt/profiles.py).

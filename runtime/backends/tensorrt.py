@@ -352,7 +352,7 @@ class DecodeGraphs:
       * a graph bakes in every address: the batch B, the cache capacity P and each layer's cache buffer must be the
         ones it was captured with — a new cache buffer recaptures that layer, a new B or P drops every graph
         (P takes four sizes an octave as sequences grow: cache.bucket); the runtime gathers every layer's paged
-        cache into one step buffer per B and P (runtime/generation/cache.PagedLatentCache.gather), so the address
+        cache into one step buffer per B and P (runtime/cache/pools.PagedLatentCache.gather), so the address
         holds between steps;
       * inputs are copied into static buffers before replay (a few KiB per layer in decode);
       * JIT plugins' Python runs only during capture, so their kernels must depend on shapes alone: no host sync, no

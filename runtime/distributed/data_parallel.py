@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from k2trt.runtime.generation.cache import bucket
+from k2trt.runtime.cache.pools import bucket
 from k2trt.runtime.generation.sampling import SamplingParams
 from k2trt.runtime.generation.step import Admit, Drop, Move, Park, Release, SlotOp, StepPlan, Swap
 

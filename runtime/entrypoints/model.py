@@ -94,7 +94,7 @@ class LoadedModel:
         if default_share:
             cache_memory = GPU_CACHE_SHARE
         if cache_memory is not None:
-            from k2trt.runtime.generation.pages import PAGE_TOKENS, page_bytes
+            from k2trt.runtime.cache.pages import PAGE_TOKENS, page_bytes
 
             if isinstance(cache_memory, FreeShare):
                 free = free_memory(self.backend.device)

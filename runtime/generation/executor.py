@@ -20,7 +20,7 @@ import torch
 
 from k2trt.config import K2Config
 from k2trt.runtime.backends.contract import Backend
-from k2trt.runtime.generation.cache import PagedLatentCache
+from k2trt.runtime.cache.pools import PagedLatentCache
 from k2trt.runtime.generation.sampling import Sampler, TokenLogprob, logprobs_of, sample_rows
 from k2trt.runtime.generation.step import Admit, Drop, Move, Park, Release, RopeTable, StepPlan, StepTensors, Swap, step_tensors
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from k2trt.config import K2Config
 from k2trt.errors import K2Error
 from k2trt.runtime.backends.contract import BackendLimits
-from k2trt.runtime.generation.pages import PAGE_TOKENS, pages_for
+from k2trt.runtime.cache.pages import PAGE_TOKENS, pages_for
 
 DEFAULT_SLOTS = 64  # sequences decoded together when neither the user nor the backend sets a limit
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per request per step, before the mask budget shrinks it

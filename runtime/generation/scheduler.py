@@ -37,9 +37,9 @@ from dataclasses import astuple, dataclass, field, replace
 from typing import Callable
 
 from k2trt.config import K2Config
-from k2trt.runtime.generation.cache import CAPACITY_STEPS, bucket
+from k2trt.runtime.cache.pools import CAPACITY_STEPS, bucket
 from k2trt.runtime.generation.limits import ContextTooLong, Limits, RequestError
-from k2trt.runtime.generation.pages import PagePool, page_keys, pages_for
+from k2trt.runtime.cache.pages import PagePool, page_keys, pages_for
 from k2trt.runtime.generation.sampling import DEFAULTS, SamplingParams
 from k2trt.runtime.generation.step import DECODE, PREFILL, Admit, Drop, Move, Park, Release, SlotOp, StepPlan, Swap
 from k2trt.runtime.generation.timings import Timings

@@ -18,7 +18,7 @@ import torch
 from k2trt.config import K2Config
 from k2trt.graphs.mask import MASK_NEG
 from k2trt.graphs.rope import rope_tables
-from k2trt.runtime.generation.pages import PAGE_TOKENS, cache_rows
+from k2trt.runtime.cache.pages import PAGE_TOKENS, cache_rows
 from k2trt.runtime.generation.sampling import SamplingParams
 
 PREFILL, DECODE = "prefill", "decode"

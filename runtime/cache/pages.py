@@ -1,6 +1,6 @@
 """The latent cache's pages, as the scheduler counts them: a pool of fixed-size pages, each sequence's page table,
 and the index of full pages by the tokens they hold (prefix reuse). Plain integers only: rank 0 decides, every
-pipeline stage follows the page tables its plans carry (cache.PagedLatentCache holds the latents).
+pipeline stage follows the page tables its plans carry (pools.PagedLatentCache holds the latents).
 
 - A page holds `page_tokens` consecutive positions of one sequence; a sequence's page table lists its pages in
   position order, so position p lives in page table[p // page_tokens], row p % page_tokens.

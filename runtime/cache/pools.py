@@ -15,7 +15,7 @@ from typing import Iterable
 import torch
 
 from k2trt.runtime.backends.contract import CAPACITY_MULTIPLE
-from k2trt.runtime.generation.pages import PAGE_TOKENS
+from k2trt.runtime.cache.pages import PAGE_TOKENS
 
 
 CAPACITY_STEPS = 4  # a step's capacity P takes four sizes an octave (scheduler._capacity_for)
