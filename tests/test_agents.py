@@ -92,6 +92,27 @@ def test_streamed_calls_equal_whole_ones(server):
     assert parts["content"] == (whole.message.content or "") and parts["finish"] == whole.finish_reason
 
 
+@pytest.mark.parametrize("max_tokens", [20, 50])
+def test_a_forced_call_cut_by_max_tokens_is_dropped_and_leaves_no_markup(server, max_tokens):
+    """tool_choice "required" cut by max_tokens (issue 41): the calls closed are tool calls, the one cut off is
+    dropped, no K2 markup is content, finish_reason "length"; streamed the same. Greedy, the first call takes 25 to
+    44 tokens here: 20 cuts it, 50 cuts the second."""
+    kw = dict(tools=TOOLS, tool_choice="required", temperature=0, max_tokens=max_tokens)
+    r = chat(server, **kw)
+    whole = r.choices[0]
+    assert whole.finish_reason == "length" and r.usage.completion_tokens == max_tokens
+    assert "<|" not in (whole.message.content or "")
+    calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+             for c in whole.message.tool_calls or []]
+    assert len(calls) == (0 if max_tokens == 20 else 1)
+    for c in calls:
+        jsonschema.validate(json.loads(c["arguments"]), SCHEMAS[c["name"]])
+    parts = streamed(server, **kw)
+    assert [parts["calls"][i] for i in sorted(parts["calls"])] == calls
+    assert parts["content"] == (whole.message.content or "") and "<|" not in parts["content"]
+    assert parts["finish"] == "length"
+
+
 def test_a_conversation_with_a_tool_result(server):
     first = chat(server, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
                  temperature=0).choices[0].message

@@ -1,7 +1,8 @@
 """K2-format answers split into thinking, content and tool calls (runtime/text/chat_output.py), as vLLM's and
 SGLang's kimi_k2 parsers read them: several calls, arguments with braces and quotes inside strings, ids with and
-without `functions.`, truncated output, malformed calls kept as content, and the same result whether the text
-comes whole or one character at a time."""
+without `functions.`, malformed calls kept as content, output cut inside a call (the call dropped, no K2 markup
+in content, streamed or not), and the same result whether the text comes whole, in any two pieces or one
+character at a time."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from k2trt.runtime.text.chat_output import ChatOutputParser, ToolCall
+from k2trt.runtime.text.chat_output import (ChatOutputParser, ToolCall, answer_parser, chat_parser, split_answer,
+                                            template_thinks)
 from k2trt.runtime.text.markers import MarkerScanner
 
 SB, SE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
@@ -82,14 +84,133 @@ def test_a_malformed_call_is_content(text, kept):
     assert p.tool_calls == [] and p.content == kept and streamed["content"] == kept
 
 
-def test_truncated_output_keeps_the_complete_calls_and_returns_the_cut_one_as_content():
+def test_truncated_output_keeps_the_complete_calls_and_drops_the_cut_one():
     first = call("functions.search:0", '{"q": "x"}')
     cut = CB + "functions.get_time:1" + AB + '{"tz": "U'
     p, streamed = parse(f"Hi{SB}{first}{cut}")
-    assert p.tool_calls == [ToolCall("functions.search:0", "search", '{"q": "x"}')]
-    assert p.content == "Hi" + cut and streamed["content"] == p.content
-    p, _ = parse(f"Hi{SB}{CB}functions.sea")  # cut inside the id
-    assert p.tool_calls == [] and p.content == f"Hi{CB}functions.sea"
+    assert p.tool_calls == [ToolCall("functions.search:0", "search", '{"q": "x"}')] == as_calls(streamed)
+    assert p.content == "Hi" and streamed["content"] == p.content
+    p, streamed = parse(f"Hi{SB}{CB}functions.sea")  # cut inside the id
+    assert p.tool_calls == [] and p.content == "Hi" == streamed["content"] and streamed["calls"] == {}
+
+
+# ---- cut inside a tool call (issue 41): the calls closed become tool calls, an unclosed one is dropped ------------
+
+ROUTE = frozenset({"route"})
+CUT = f'{CB}functions.route:592{AB}{{"n": 1}}'  # tool_choice "required" under max_tokens 20, as it was answered
+CLOSED = call("functions.route:0", '{"n": 1}')
+ROUTE_CALL = ToolCall("functions.route:0", "route", '{"n": 1}')
+# (text, thinks, reasoning, content, calls): every text ends inside a call or a section, or has markers out of place
+CUTS = {
+    "a call cut, no section": (CUT, False, "", "", []),
+    "a call cut in its section": (SB + CUT, False, "", "", []),
+    "cut after the argument marker": (f"{SB}{CB}functions.route:592{AB}", False, "", "", []),
+    "cut in the id": (f"{SB}{CB}functions.ro", False, "", "", []),
+    "cut in a marker": (f"{SB}{CB}functions.route:592<|tool_call_argu", False, "", "", []),
+    "cut right after the section began": (f"Sure.{SB}", False, "", "Sure.", []),
+    "the first closed, the second cut": (SB + CLOSED + CB + "functions.route:1" + AB + '{"n": 2', False, "", "",
+                                         [ROUTE_CALL]),
+    "the first closed, cut before the second": (f"Hi {SB}{CLOSED}\n", False, "", "Hi ", [ROUTE_CALL]),
+    "the section never ended, text after a call": (f"{SB}{CLOSED} and then", False, "", " and then", [ROUTE_CALL]),
+    "a call never closed before the next": (SB + CUT + CLOSED + SE + "ok", False, "", "ok", [ROUTE_CALL]),
+    "a call never closed before the section end": (SB + CUT + SE + " ok", False, "", " ok", []),
+    "thinking, then a cut call": (f"<think>go{SB}{CUT}", True, "go", "", []),
+    "thinking, then a bare cut call": (f"go</think>x{CUT}", True, "go", "x", []),
+    "markers out of place": (f"a{CE}b{AB}c{SE}d{SB}{SB}{AB}{CE}{CLOSED}{SE}", False, "", "abcd", [ROUTE_CALL]),
+}
+
+
+def streamed_message(text: str, pieces: list[str], thinks: bool) -> tuple[dict, list]:
+    """The message a stream of `pieces` joins to (as serve's client and ChatPrinter see it), and its deltas."""
+    p = answer_parser(thinks, ROUTE)
+    deltas = [p.feed(x) for x in pieces] + [p.finish()]
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        for c in d.calls:
+            if c.id is not None:
+                assert c.index not in calls and c.arguments == ""  # the name first, once
+                calls[c.index] = {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": ""}}
+            calls[c.index]["function"]["arguments"] += c.arguments
+    content = "".join(d.content for d in deltas)
+    out = {"content": content or (None if calls else "")}
+    if thinks:
+        out["reasoning_content"] = "".join(d.reasoning for d in deltas) or None
+    if calls:
+        out["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return out, deltas
+
+
+def expected(thinks, reasoning, content, calls) -> dict:
+    out = {"content": content or (None if calls else "")}
+    if thinks:
+        out["reasoning_content"] = reasoning or None
+    if calls:
+        out["tool_calls"] = [c.as_openai() for c in calls]
+    return out
+
+
+@pytest.mark.parametrize("name", CUTS)
+def test_a_cut_call_is_dropped_and_no_markup_reaches_content(name):
+    text, thinks, reasoning, content, calls = CUTS[name]
+    whole = split_answer(answer_parser(thinks, ROUTE), text)
+    assert whole == expected(thinks, reasoning, content, calls)
+    assert "<|" not in (whole["content"] or "") and "<|" not in (whole.get("reasoning_content") or "")
+
+
+def test_the_issues_answer():
+    """tool_choice "required" cut by max_tokens: no markup in content, no tool call; a closed first call is one."""
+    assert split_answer(answer_parser(False, ROUTE), CUT) == {"content": ""}
+    second = SB + CLOSED + f'{CB}functions.route:1{AB}{{"n": 2}}'
+    assert split_answer(answer_parser(False, ROUTE), second) == {"content": None,
+                                                                  "tool_calls": [ROUTE_CALL.as_openai()]}
+
+
+@pytest.mark.parametrize("name", CUTS)
+def test_streamed_cut_answers_join_to_the_whole_split(name):
+    """Every two-piece split and one character at a time: the deltas join to exactly the whole answer, and no delta
+    sends any piece of a marker (the stream holds back what may begin one)."""
+    text, thinks, *_ = CUTS[name]
+    whole = split_answer(answer_parser(thinks, ROUTE), text)
+    splits = [[text[:i], text[i:]] for i in range(1, len(text))] + [list(text)]
+    for pieces in splits:
+        joined, deltas = streamed_message(text, pieces, thinks)
+        assert joined == whole, pieces
+        for d in deltas:
+            assert "<|" not in d.content and "<|" not in d.reasoning, (pieces, d)
+
+
+def test_a_bare_call_outside_a_section_is_a_call():
+    """A `<|tool_call_begin|>` with no section begun opens one (the model skipped the section's marker)."""
+    text = "Let me route." + CLOSED + " done"
+    assert split_answer(answer_parser(False, ROUTE), text) == {"content": "Let me route. done",
+                                                               "tool_calls": [ROUTE_CALL.as_openai()]}
+    for pieces in [[text[:i], text[i:]] for i in range(1, len(text))] + [list(text)]:
+        assert streamed_message(text, pieces, False)[0] == split_answer(answer_parser(False, ROUTE), text)
+
+
+def test_one_parser_for_every_caller():
+    """answer_parser (serve's AnswerShape, generate, chat): None where the text is all content; split_answer gives
+    the message fields serve returns — reasoning_content only for a template that thinks."""
+    assert answer_parser(False, None) is None
+    assert split_answer(None, f"x{SB}") == {"content": f"x{SB}"}
+    assert split_answer(answer_parser(True, None), "a</think>b") == {"content": "b", "reasoning_content": "a"}
+    assert split_answer(answer_parser(False, ROUTE), "b") == {"content": "b"}
+    one = SB + CLOSED + call("functions.route:1", "{}") + SE
+    assert split_answer(answer_parser(False, ROUTE, max_calls=1), one) == {
+        "content": call("functions.route:1", "{}"), "tool_calls": [ROUTE_CALL.as_openai()]}
+
+    class Tok:
+        def __init__(self, thinks):
+            self.thinks = thinks
+
+        def has_token(self, name):
+            return self.thinks and name == "</think>"
+
+    assert chat_parser(Tok(False), None) is None and template_thinks(Tok(True))
+    tools = [{"type": "function", "function": {"name": "route"}}]
+    assert split_answer(chat_parser(Tok(False), tools), CUT) == {"content": ""}
+    assert split_answer(chat_parser(Tok(True), tools), f"hm{CUT}") == {"content": "", "reasoning_content": "hm"}
+    assert chat_parser(Tok(True), None, {"thinking": False}) is None
 
 
 def test_one_call_at_most_without_parallel_calls():
@@ -127,7 +248,8 @@ def test_a_tool_call_section_ends_the_reasoning():
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_any_split_of_the_text_gives_the_same_answer(data):
-    text = ANSWERS["several calls, braces and quotes in strings"][0] + "tail"
+    text = ANSWERS["several calls, braces and quotes in strings"][0] + "tail" + SB + call("functions.search:2", "{}") \
+        + CUT
     cuts = sorted(data.draw(st.sets(st.integers(1, len(text) - 1), max_size=12)))
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
     whole, _ = parse(text)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import sys
 
 from k2trt.errors import K2Error
-from k2trt.runtime.entrypoints.generate import chat_parser
 from k2trt.runtime.entrypoints.printers import ChatPrinter, PrefillProgress, StreamPrinter
 from k2trt.runtime.entrypoints.sampling_args import stop_rules, to_sampling_params
+from k2trt.runtime.text.chat_output import chat_parser
 from k2trt.runtime.entrypoints.model import load_model, make_generator
 
 

@@ -14,19 +14,12 @@ from k2trt.files import parse_json, read_text
 from k2trt.runtime.entrypoints.model import launch_if_asked, load_model, make_generator
 from k2trt.runtime.entrypoints.printers import ChatPrinter, PrefillProgress, StreamPrinter
 from k2trt.runtime.entrypoints.sampling_args import stop_rules, to_sampling_params
-from k2trt.runtime.text.chat_output import ChatOutputParser, template_thinks
+from k2trt.runtime.text.chat_output import chat_parser, split_answer
 
 
 def check_requests(args) -> None:
     if not args.prompt and not args.chat:
         raise K2Error("give --prompt TEXT or --chat TEXT")
-
-
-def chat_parser(tok, tools: list | None) -> ChatOutputParser | None:
-    """The splitter of a chat answer: thinking (a template that thinks), tool calls (when tools are given)."""
-    names = frozenset(t["function"]["name"] for t in tools) if tools else None
-    thinks = template_thinks(tok)
-    return ChatOutputParser(reasoning=thinks, tool_names=names) if thinks or names is not None else None
 
 
 def read_tools(path: str | None) -> list | None:
@@ -39,16 +32,6 @@ def read_tools(path: str | None) -> list | None:
         raise K2Error(f"{path}: --tools must be a JSON list of {{\"type\": \"function\", \"function\": "
                       "{\"name\": ..., \"parameters\": {...}}}")
     return tools
-
-
-def split_answer(parser: ChatOutputParser, text: str) -> dict:
-    """A chat answer's fields as the server returns them."""
-    parser.feed(text)
-    parser.finish()
-    out = {"content": parser.content, "reasoning_content": parser.reasoning or None}
-    if parser.tool_calls:
-        out["tool_calls"] = [c.as_openai() for c in parser.tool_calls]
-    return out
 
 
 def encode_requests(tok, args, tools: list | None = None) -> list[list[int]]:
@@ -93,8 +76,7 @@ def run(args) -> int:
                  "text": r.text, "finish_reason": r.finish_reason, "cached_tokens": r.cached_tokens, "timings": t}
                 for r in results]
         for i in chats:
-            if (p := parser()) is not None:
-                objs[i].update(split_answer(p, results[i].text))
+            objs[i].update(split_answer(parser(), results[i].text))
         print(json.dumps(objs[0] if len(objs) == 1 else {"results": objs, "timings": t}, ensure_ascii=False))
         return 0
     if printer is not None:

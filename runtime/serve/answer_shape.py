@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from k2trt.runtime.serve import protocol
-from k2trt.runtime.text.chat_output import ChatOutputParser, template_thinks
+from k2trt.runtime.text.chat_output import ChatOutputParser, answer_parser, template_thinks
 from k2trt.runtime.text.grammar import Grammar, GrammarError, Grammars, json_grammar, schema_text, tool_call_grammar
 
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -23,10 +23,9 @@ class AnswerShape:
     max_calls: int | None = None  # parallel_tool_calls false: 1
 
     def parser(self) -> ChatOutputParser | None:
-        """A fresh splitter for one choice's text, or None where the text is all content."""
-        if not self.reasoning and self.tool_names is None:
-            return None
-        return ChatOutputParser(reasoning=self.reasoning, tool_names=self.tool_names, max_calls=self.max_calls)
+        """A fresh splitter for one choice's text (streamed, or whole through chat_output.split_answer), or None
+        where the text is all content."""
+        return answer_parser(self.reasoning, self.tool_names, self.max_calls)
 
 
 def answer_shape(body: protocol.ChatCompletionRequest, tokenizer, grammars: Grammars) -> AnswerShape:

@@ -27,7 +27,7 @@ from k2trt.runtime.serve import logprob_objects, protocol
 from k2trt.runtime.serve.answer_shape import AnswerShape, answer_shape
 from k2trt.runtime.serve.metrics import LOG, Metrics
 from k2trt.runtime.serve.scheduler_thread import End, Handle, QueueFull, SchedulerThread, ShuttingDown
-from k2trt.runtime.text.chat_output import Delta
+from k2trt.runtime.text.chat_output import Delta, split_answer
 from k2trt.runtime.text.grammar import Grammars
 from k2trt.runtime.text.messages import MessageError
 from k2trt.runtime.text.text_stream import StopRules
@@ -210,22 +210,11 @@ class Serving:
             logprobs = self._completion_logprobs(c, 0, len(req.token_ids), body) if body.logprobs is not None else None
             return {"index": c.index, "text": c.echo + text, "finish_reason": protocol.finish_reason(req.finish_reason),
                     "logprobs": logprobs}
-        parser = c.shape.parser() if c.shape else None
-        message = {"role": "assistant", "content": text}
-        calls = []
-        if parser is not None:
-            parser.feed(text)
-            parser.finish()
-            calls = parser.tool_calls
-            message["content"] = parser.content or (None if calls else "")
-            if c.shape.reasoning:
-                message["reasoning_content"] = parser.reasoning or None
-            if calls:
-                message["tool_calls"] = [call.as_openai() for call in calls]
+        message = {"role": "assistant", **split_answer(c.shape.parser() if c.shape else None, text)}
         logprobs = {"content": logprob_objects.chat_entries(self.tokenizer, c.shown(0, len(req.token_ids)))} \
             if body.logprobs else None
         return {"index": c.index, "message": message, "logprobs": logprobs,
-                "finish_reason": protocol.chat_finish_reason(req.finish_reason, bool(calls))}
+                "finish_reason": protocol.chat_finish_reason(req.finish_reason, bool(message.get("tool_calls")))}
 
     def _completion_logprobs(self, c: Choice, start: int, stop: int, body) -> dict:
         """The completions API's logprobs of tokens start..stop-1 (with echo, the prompt's come first, once)."""
