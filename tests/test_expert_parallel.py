@@ -171,9 +171,6 @@ class ColumnsExecutor:
         self.ranks = [FakeExecutor() for _ in range(ranks)]
         self.busiest = 0
 
-    def admits(self, reuses=None, resume=None):
-        return self.columns.admits(reuses, resume)
-
     def run(self, plan):
         plans = self.columns.split(plan)
         assert sum(p.batch for p in plans) == plan.batch
@@ -197,9 +194,10 @@ def test_each_rank_keeps_its_sequences_in_the_schedulers_order(requests, ranks, 
     gets the tokens it gets alone, and no rank ever holds more than its max_batch sequences."""
     rng = random.Random(seed)
     executor = ColumnsExecutor(ranks, max_batch)
-    pages = max(max_batch * ranks, 6) * 2 if small_pool else 0  # 4-position pages: 9 hold the longest alone
+    # each rank's partition of the pool: 4-position pages, 9 hold the longest alone
+    pages = max(max_batch, 9) if small_pool else 0
     sched = Scheduler(executor, TINY, Limits(max_context=64, max_batch=max_batch * ranks, prefill_chunk=chunk,
-                                             cache_pages=pages, page_tokens=4))
+                                             cache_pages=pages, page_tokens=4, cache_parts=ranks))
     reqs = []
     for prefix, tail, max_new, s, stops, cancel in requests:
         prompt = prefix + tail

@@ -149,12 +149,13 @@ def test_a_share_of_free_memory_sizes_the_pool_from_what_the_device_has_free(tin
     from k2trt.args import FreeShare
     from k2trt.errors import K2Error
     from k2trt.runtime.entrypoints import model
-    from k2trt.runtime.cache.pages import page_bytes
+    from k2trt.runtime.cache import sizing
+    from k2trt.runtime.cache.sizing import page_bytes
 
     loaded = model.LoadedModel(open_backend(BackendChoice("ort", tiny_export), Checkpoint.open(tiny_ckpt)), None,
                                Checkpoint.open(tiny_ckpt))
     size = page_bytes(loaded.config, loaded.backend.act_dtype)
-    monkeypatch.setattr(model, "free_memory", lambda device: 1000 * size)
+    monkeypatch.setattr(sizing, "free_memory", lambda device: 1000 * size)
     assert loaded.limits(256, 4, cache_memory=FreeShare(0.5)).cache_pages == 500
     with pytest.raises(K2Error, match=f"--cache-memory 1% of {1000 * size:,} free bytes holds 10 pages"):
         loaded.limits(256, 16, cache_memory=FreeShare(0.01))
@@ -166,7 +167,8 @@ def test_the_server_reports_cached_tokens_and_refuses_a_request_larger_than_the_
     import httpx
     from servers import InProcessServer, metric
 
-    from k2trt.runtime.cache.pages import PAGE_TOKENS, page_bytes
+    from k2trt.runtime.cache.pages import PAGE_TOKENS
+    from k2trt.runtime.cache.sizing import page_bytes
 
     cfg = Checkpoint.open(tiny_ckpt).config
     size = page_bytes(cfg, open_backend(BackendChoice("ort", tiny_export), Checkpoint.open(tiny_ckpt)).act_dtype)
@@ -270,7 +272,9 @@ def test_on_a_gpu_the_pool_defaults_to_a_share_of_free_memory(tiny_ckpt, monkeyp
     from k2trt.errors import K2Error
     from k2trt.runtime.backends.contract import BackendLimits
     from k2trt.runtime.entrypoints import model
-    from k2trt.runtime.cache.pages import PAGE_TOKENS, page_bytes
+    from k2trt.runtime.cache import sizing
+    from k2trt.runtime.cache.pages import PAGE_TOKENS
+    from k2trt.runtime.cache.sizing import page_bytes
 
     class Named:
         limits, act_dtype = BackendLimits(), torch.float32
@@ -283,12 +287,12 @@ def test_on_a_gpu_the_pool_defaults_to_a_share_of_free_memory(tiny_ckpt, monkeyp
     every_slot = model.LoadedModel(Named("cpu"), None, ckpt).limits(max_context=1024, max_batch=4).cache_pages
     assert every_slot == 4 * 1024 // PAGE_TOKENS
     gpu = model.LoadedModel(Named("cuda"), None, ckpt)
-    monkeypatch.setattr(model, "free_memory", lambda device: 40 * size)
+    monkeypatch.setattr(sizing, "free_memory", lambda device: 40 * size)
     assert gpu.limits(max_context=1024, max_batch=4).cache_pages == 36  # 90 % of 40 pages
-    monkeypatch.setattr(model, "free_memory", lambda device: 10_000 * size)
+    monkeypatch.setattr(sizing, "free_memory", lambda device: 10_000 * size)
     assert gpu.limits(max_context=1024, max_batch=4).cache_pages == every_slot
     assert gpu.limits(max_context=1024, max_batch=4, cache_memory=8 * size).cache_pages == 8  # asked: as asked
-    monkeypatch.setattr(model, "free_memory", lambda device: 3 * size)
+    monkeypatch.setattr(sizing, "free_memory", lambda device: 3 * size)
     with pytest.raises(K2Error, match=r"\(by default\) 90% of .* free bytes holds 2 pages"):
         gpu.limits(max_context=1024, max_batch=4)
 

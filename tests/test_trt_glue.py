@@ -1042,7 +1042,8 @@ def test_odd_max_seq_gives_aligned_cache_slots():
     whose base the allocator aligns; an unrounded 4095 would put odd sequences of a shared tensor 128 bytes off
     (4095 x 576 x 2 = 128 mod 256)."""
     from k2trt.runtime.backends.contract import CAPACITY_MULTIPLE
-    from k2trt.runtime.cache.pools import PagedLatentCache, bucket
+    from k2trt.runtime.cache.pools import PagedLatentCache
+    from k2trt.runtime.cache.sizing import bucket
 
     spec = ProfileSpec(max_seq=4095, opt_seq=1024)
     assert spec.max_capacity == 4096 and spec.dim_ranges("decode")["P"] == (1, 1024, 4096)

@@ -13,6 +13,9 @@ pipeline stage follows the page tables its plans carry (pools.PagedLatentCache h
   sequence gives its pages back last first, so a prefix's later pages are evicted before its earlier ones.
 - Free pages are taken lowest first, so the pages in use stay at the bottom of the pool and the executors' pool
   tensors (grown to the highest page a plan names) follow the pages in use.
+- Under data-parallel attention (expert-parallel ranks, each holding its own sequences' latents) the pool is
+  `parts` partitions of `pages` pages, one per rank: page g is page g % pages of partition g // pages, a sequence
+  takes all its pages from the partition of the rank holding it, and a rank's pool holds only its partition.
 """
 
 from __future__ import annotations
@@ -43,36 +46,44 @@ def pages_for(positions: int, page_tokens: int = PAGE_TOKENS) -> int:
     return -(-positions // page_tokens)
 
 
-def page_bytes(cfg, dtype, page_tokens: int = PAGE_TOKENS) -> int:
-    """Bytes of one page over every layer: what --cache-memory is counted in."""
-    import torch
-
-    return page_tokens * cfg.latent_dim * torch.empty(0, dtype=dtype).element_size() * cfg.num_hidden_layers
-
-
 class PagePool:
-    """`pages` pages of `page_tokens` positions; with `prefix_cache`, full prompt pages are kept for reuse."""
+    """`pages` pages of `page_tokens` positions in each of `parts` partitions; with `prefix_cache`, full prompt pages
+    are kept for reuse."""
 
-    def __init__(self, pages: int, page_tokens: int = PAGE_TOKENS, prefix_cache: bool = True):
-        if pages < 1 or page_tokens < 1:
+    def __init__(self, pages: int, page_tokens: int = PAGE_TOKENS, prefix_cache: bool = True, parts: int = 1):
+        if pages < 1 or page_tokens < 1 or parts < 1:
             raise K2Error(f"a page pool needs at least one page of at least one position, got {pages} × {page_tokens}")
-        self.pages, self.page_tokens, self.prefix_cache = pages, page_tokens, prefix_cache
-        self.free: list[int] = list(range(pages))  # a heap: the lowest free page first
-        self.refs = [0] * pages
+        self.pages, self.page_tokens, self.prefix_cache, self.parts = pages, page_tokens, prefix_cache, parts
+        # a heap per partition: the lowest free page first
+        self.free: list[list[int]] = [list(range(q * pages, (q + 1) * pages)) for q in range(parts)]
+        self.refs = [0] * (pages * parts)
         self.key_of: dict[int, bytes] = {}  # published page -> its key
         self.page_of: dict[bytes, int] = {}  # key -> published page
-        self.idle: OrderedDict[int, None] = OrderedDict()  # published pages nobody references, oldest first
+        # published pages nobody references, oldest first, per partition
+        self.idle: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(parts)]
+
+    def part_of(self, page: int) -> int:
+        return page // self.pages
 
     # ---- what is left ------------------------------------------------------------------------------------
     @property
+    def total(self) -> int:
+        """Pages in every partition."""
+        return self.pages * self.parts
+
+    def available_in(self, part: int) -> int:
+        """Pages a sequence of this partition could take now: its free ones and its published ones nobody
+        references."""
+        return len(self.free[part]) + len(self.idle[part])
+
+    @property
     def available(self) -> int:
-        """Pages a sequence could take now: the free ones and the published ones nobody references."""
-        return len(self.free) + len(self.idle)
+        return sum(self.available_in(q) for q in range(self.parts))
 
     @property
     def in_use(self) -> int:
         """Pages some sequence references."""
-        return self.pages - self.available
+        return self.total - self.available
 
     # ---- prefixes ------------------------------------------------------------------------------------------
     def match(self, tokens: list[int]) -> list[int]:
@@ -107,17 +118,18 @@ class PagePool:
             self.page_of[key], self.key_of[page] = page, key
 
     # ---- taking and giving back ----------------------------------------------------------------------------
-    def allocate(self, n: int) -> list[int] | None:
-        """n pages for one sequence (free ones first, then the least recently used idle ones, unpublished), or
-        None, taking nothing, when fewer than n are available."""
-        if n > self.available:
+    def allocate(self, n: int, part: int = 0) -> list[int] | None:
+        """n pages of one partition for one sequence (free ones first, then the least recently used idle ones,
+        unpublished), or None, taking nothing, when fewer than n are available there."""
+        if n > self.available_in(part):
             return None
+        free, idle = self.free[part], self.idle[part]
         out = []
         for _ in range(n):
-            if self.free:
-                page = heapq.heappop(self.free)
+            if free:
+                page = heapq.heappop(free)
             else:
-                page, _ = self.idle.popitem(last=False)
+                page, _ = idle.popitem(last=False)
                 del self.page_of[self.key_of.pop(page)]
             self.refs[page] = 1
             out.append(page)
@@ -133,13 +145,13 @@ class PagePool:
             self.refs[page] -= 1
             if self.refs[page] == 0:
                 if page in self.key_of:
-                    self.idle[page] = None
+                    self.idle[self.part_of(page)][page] = None
                 else:
-                    heapq.heappush(self.free, page)
+                    heapq.heappush(self.free[self.part_of(page)], page)
 
     def _reference(self, page: int) -> None:
         if self.refs[page] == 0:
-            self.idle.pop(page, None)
+            self.idle[self.part_of(page)].pop(page, None)
         self.refs[page] += 1
 
 

@@ -4,7 +4,7 @@ A sequence holds the pages its page table lists (pages.py: the scheduler's bookk
 follows the tokens held, not slots x the longest sequence, and sequences with a common prefix read the same pages.
 Every block gets the step's cache as [B, P, latent], gathered through the page tables (the block graphs keep their
 contiguous cache input, so every backend runs them unchanged), and the block's new entries are written into their
-pages in place. P, the step's capacity, follows what the step's sequences need (`bucket`, chosen by the scheduler
+pages in place. P, the step's capacity, follows what the step's sequences need (sizing.bucket, chosen by the scheduler
 so that every pipeline stage agrees).
 """
 
@@ -14,26 +14,7 @@ from typing import Iterable
 
 import torch
 
-from k2trt.runtime.backends.contract import CAPACITY_MULTIPLE
 from k2trt.runtime.cache.pages import PAGE_TOKENS
-
-
-CAPACITY_STEPS = 4  # a step's capacity P takes four sizes an octave (scheduler._capacity_for)
-
-
-def bucket(needed: int, limit: int, minimum: int = CAPACITY_MULTIPLE, per_octave: int = 1) -> int:
-    """The size to allocate for `needed`: the next of `per_octave` sizes evenly spaced in each octave above a power
-    of two (per_octave 1: the next power of two; 4: 1, 1.25, 1.5, 1.75 times one), at least `minimum`, at most
-    `limit` (and never less than needed), so sizes take few values (each a TensorRT shape, a CUDA graph) and
-    overshoot by at most 1/per_octave; always a multiple of `minimum` — a capacity capped at an odd limit is rounded
-    up, so slot views stay 256-byte aligned (contract.CAPACITY_MULTIPLE)."""
-    size = minimum
-    while size < needed:
-        size *= 2
-    step = max(minimum, size // (2 * per_octave))
-    size = min(size, -(-needed // step) * step)
-    size = max(needed, min(size, limit))
-    return -(-size // minimum) * minimum
 
 
 class PagedLatentCache:
@@ -61,11 +42,14 @@ class PagedLatentCache:
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
-    def reserve(self, pages: int) -> None:
-        """Room for pages 0 .. pages - 1 in every layer, keeping what is held."""
+    def reserve(self, pages: int, limit: int | None = None) -> None:
+        """Room for pages 0 .. pages - 1 in every layer, keeping what is held; grown an eighth at a time, never past
+        `limit` (the pool's pages: what this rank's memory was sized for)."""
         if pages <= self.pages:
             return
         pages = max(pages, self.pages + -(-self.pages // 8))
+        if limit is not None:
+            pages = min(pages, max(limit, 1))
         held = self.pages * self.page_tokens  # rows of pages named before (the first pool's placeholder: none)
         before = self.bytes
         for layer, old in self.tensors.items():

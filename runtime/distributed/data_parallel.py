@@ -1,11 +1,11 @@
 """Data-parallel attention under expert parallelism: which expert-parallel rank holds each sequence, and each step's
 plan for every rank.
 
-The scheduler plans one step over a contiguous range of its slots, as for one process, and asks before each
-admission whether the rank it would go to has room (`ColumnPlans.admits`). Each sequence is held by one
-of the E ranks from its admission to its end (the least loaded, the lowest on a tie; the rank holding the cached
-prefix it reuses, when it reuses one; the rank it left, when it resumes after preemption): that rank keeps its
-latent cache pages (at every pipeline stage of its column) and its sampler. A rank's own slots keep the scheduler's order of its
+The scheduler plans one step over a contiguous range of its slots, as for one process; its page pool is E
+partitions, one per rank (runtime/cache/pages.py), and each admission names the partition it took its pages from
+(Admit.part, chosen by the scheduler: the least loaded; the rank holding the cached prefix it reuses; the rank it
+left, when it resumes after preemption). That rank holds the sequence from its admission to its end: its latent
+cache pages (at every pipeline stage of its column, numbered from 0 in the rank's own pool) and its sampler. A rank's own slots keep the scheduler's order of its
 sequences, so the scheduler's contiguous range is a contiguous range on every rank, and a slot operation of the
 scheduler becomes the rank's own moves (a sequence never changes rank). `ColumnPlans.split` turns a plan into one
 plan per rank and `merge` puts their sampled ids back in the scheduler's order.
@@ -13,10 +13,9 @@ plan per rank and `merge` puts their sampled ids back in the scheduler's order.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
-from k2trt.runtime.cache.pools import bucket
+from k2trt.runtime.cache.sizing import grown_rows
 from k2trt.runtime.generation.sampling import SamplingParams
 from k2trt.runtime.generation.step import Admit, Drop, Move, Park, Release, SlotOp, StepPlan, Swap
 
@@ -42,7 +41,8 @@ def local_ops(old: list[Held | None], new: list[Held], admitted: set) -> list[Sl
     keep = set(map(id, new))
     cur = list(old) + [None] * max(0, len(new) - len(old))
     for j, h in enumerate(cur):
-        if h is not None and id(h) not in keep:
+        # a sequence parked and resumed between two steps leaves its old slot too (its sampler parked, then back)
+        if h is not None and (id(h) not in keep or h in admitted):
             ops.append(Park(j, h.key) if h.key is not None else Release(j))
             cur[j] = None
     for i, h in enumerate(new):
@@ -64,43 +64,16 @@ class ColumnPlans:
         self.slots: list[Held | None] = []  # the scheduler's slots
         self.per_rank = [RankSlots() for _ in range(ranks)]
         self.parked: dict[int, Held] = {}  # preempted sequences, by key
-        self.page_rank: dict[int, int] = {}  # the rank that last wrote each page
         self.drops: list[list[SlotOp]] = [[] for _ in range(ranks)]  # parked samplers to drop, per rank
-        self.promised: deque[int] = deque()  # the rank of each admission agreed (`admits`), not yet applied
-
-    def _load(self, rank: int) -> int:
-        return sum(1 for h in self.slots if h is not None and h.rank == rank) + self.promised.count(rank)
-
-    def admits(self, reuses: int | None = None, resume: int | None = None) -> bool:
-        """Whether the scheduler may admit a sequence now — on the rank it left (resume: its parked sampler is
-        there), the rank holding the cached prefix it reuses (its latents are there), else the least loaded —
-        without that rank holding more than max_batch sequences; if so, the rank is promised to it (the
-        scheduler's Admit ops come in the order of these calls)."""
-        if resume is not None:
-            if resume not in self.parked:  # its Park is still among the scheduler's pending operations
-                return False
-            rank = self.parked[resume].rank
-            if reuses is not None and self.page_rank.get(reuses) != rank:
-                return False
-        elif reuses is not None:
-            if reuses not in self.page_rank:
-                return False
-            rank = self.page_rank[reuses]
-        else:
-            loads = [self._load(r) for r in range(self.ranks)]
-            rank = loads.index(min(loads))
-        if self._load(rank) >= self.max_batch:
-            return False
-        self.promised.append(rank)
-        return True
 
     def _apply(self, ops: list[SlotOp]) -> set:
         """The scheduler's slot operations on the mirror; -> the sequences admitted."""
         admitted = set()
         for op in ops:
             if isinstance(op, Admit):
-                rank = self.promised.popleft()
-                h = self.parked.pop(op.resume) if op.resume is not None else Held(rank, op.sampling)
+                if not 0 <= op.part < self.ranks:
+                    raise ValueError(f"an admission to partition {op.part} of {self.ranks} ranks")
+                h = self.parked.pop(op.resume) if op.resume is not None else Held(op.part, op.sampling)
                 self._put(op.slot, h)
                 admitted.add(h)
             elif isinstance(op, Release):
@@ -135,25 +108,27 @@ class ColumnPlans:
 
     def split(self, plan: StepPlan) -> list[StepPlan]:
         """One plan per rank: its slot operations, and its sequences of the step (a contiguous range of its
-        slots, in the scheduler's order)."""
+        slots, in the scheduler's order), their pages numbered in the rank's own pool (plan.pool_pages each)."""
         admitted = self._apply(plan.ops)
         step = self.slots[plan.first:plan.first + plan.batch]
-        for h, table in zip(step, plan.tables):
-            self.page_rank.update((page, h.rank) for page in table)
+        if plan.tables and not plan.pool_pages:
+            raise ValueError("a plan split over data-parallel ranks must name its pool's pages per rank")
         plans = []
         for r, mine in enumerate(self.per_rank):
             new = [h for h in self.slots if h is not None and h.rank == r]
             ops = local_ops(mine.order, new, admitted) + self.drops[r]  # a Park before a Drop of the same key
             self.drops[r] = []
-            if not mine.rows // 4 < len(new) <= mine.rows:
-                mine.rows = bucket(max(1, len(new)), self.max_batch, minimum=1)
+            mine.rows = grown_rows(mine.rows, max(1, len(new)), self.max_batch)
             mine.order = list(new)
             rows = [b for b, h in enumerate(step) if h.rank == r]
             first = new.index(step[rows[0]]) if rows else 0
+            base = r * plan.pool_pages
+            tables = [[page - base for page in plan.tables[b]] for b in rows] if plan.tables else []
+            if any(not 0 <= page < plan.pool_pages for table in tables for page in table):
+                raise ValueError(f"a sequence of rank {r} names a page outside the rank's partition")
             plans.append(StepPlan(first=first, tokens=[plan.tokens[b] for b in rows],
                                   starts=[plan.starts[b] for b in rows], sample=[plan.sample[b] for b in rows],
-                                  rows=mine.rows, capacity=plan.capacity, ops=ops,
-                                  tables=[plan.tables[b] for b in rows] if plan.tables else [],
+                                  rows=mine.rows, capacity=plan.capacity, ops=ops, tables=tables,
                                   page_tokens=plan.page_tokens, pool_pages=plan.pool_pages))
         for h in admitted:  # its parked sampler is back in use (every rank's ops are made)
             h.key = None

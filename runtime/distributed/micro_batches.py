@@ -19,6 +19,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
+from k2trt.runtime.cache.sizing import part_slots
 from k2trt.runtime.distributed.pipeline import PipelineExecutor
 from k2trt.runtime.generation.scheduler import Request, Scheduler
 from k2trt.runtime.generation.step import DECODE, PREFILL, StepPlan, is_decode
@@ -47,9 +48,6 @@ class _LaneExecutor:
     def run(self, plan: StepPlan) -> list[int | None]:
         return self.lanes._submit(self.lane, plan)
 
-    def admits(self, reuses: int | None = None, resume: int | None = None) -> bool:
-        return self.lanes.leader.admits(reuses, resume, lane=self.lane)
-
 
 @dataclass
 class _Intervals:
@@ -75,7 +73,8 @@ class MicroBatchScheduler:
         self.leader, self.cfg, self.limits = leader, cfg, limits
         lane_batch = max(1, math.ceil(limits.max_batch / lanes))
         # each lane's cache pages are its own, on every rank: the pool is dealt out with the slots
-        lane_limits = replace(limits, max_batch=lane_batch, cache_pages=max(lane_batch, limits.cache_pages // lanes))
+        lane_parts = part_slots(lane_batch, limits.cache_parts)
+        lane_limits = replace(limits, max_batch=lane_batch, cache_pages=max(lane_parts, limits.cache_pages // lanes))
         self.lanes = [Scheduler(_LaneExecutor(self, i), cfg, lane_limits, prefix_cache) for i in range(lanes)]
         self._cond = threading.Condition()
         self._queue: deque[_Submitted] = deque()

@@ -41,7 +41,7 @@ from k2trt.runtime.distributed.layout import Layout
 from k2trt.runtime.distributed.world import World
 from k2trt.runtime.generation.executor import StageClock, StageExecutor
 from k2trt.runtime.generation.sampling import SamplingParams
-from k2trt.runtime.generation.step import Admit, Drop, Move, Park, Release, StepPlan, Swap, is_decode
+from k2trt.runtime.generation.step import Admit, Drop, Move, PageTables, Park, Release, StepPlan, Swap, is_decode
 
 _OPS = {"admit": Admit, "release": Release, "park": Park, "drop": Drop, "move": Move, "swap": Swap}
 _NAMES = {v: k for k, v in _OPS.items()}
@@ -50,20 +50,23 @@ NOT_SAMPLED = -1
 
 # ---- plans and step messages as bytes -----------------------------------------------------------------------
 
-def _plan_dict(plan: StepPlan) -> dict:
-    """JSON, not pickle: a rank never deserializes code from another process."""
+def _plan_dict(plan: StepPlan, tables: PageTables) -> dict:
+    """JSON, not pickle: a rank never deserializes code from another process. The page tables go as what changed
+    since the rank's last plan (step.PageTables), so a decode step's plan is as long at 8k positions as at 1k."""
     d = asdict(plan)
     d["ops"] = [{"op": _NAMES[type(op)], **asdict(op)} for op in plan.ops]
+    d["tables"] = tables.changes(plan)
     return d
 
 
-def _plan_of(d: dict) -> StepPlan:
+def _plan_of(d: dict, tables: PageTables) -> StepPlan:
     ops = []
     for o in d.pop("ops"):
         cls = _OPS[o.pop("op")]
         if cls is Admit:
             o["sampling"] = SamplingParams(**o["sampling"])
         ops.append(cls(**o))
+    d["tables"] = tables.tables(d["first"], ops, d["tables"])
     return StepPlan(**d, ops=ops)
 
 
@@ -93,18 +96,21 @@ def publish_message(tag: str) -> bytes:
     return json.dumps({"publish": tag}).encode()
 
 
-def encode_message(m: StepMessage) -> bytes:
-    return json.dumps({"lane": m.lane, "active": m.active, "decode": m.decode, "plan": _plan_dict(m.plan)},
+def encode_message(m: StepMessage, tables: PageTables) -> bytes:
+    """`tables`: what the receiving rank knows of its lane's page tables (kept by the sender, one per rank and lane)."""
+    return json.dumps({"lane": m.lane, "active": m.active, "decode": m.decode, "plan": _plan_dict(m.plan, tables)},
                       separators=(",", ":")).encode()
 
 
-def decode_message(blob: bytes) -> StepMessage | Publish | None:
+def decode_message(blob: bytes, tables: dict[int, PageTables]) -> StepMessage | Publish | None:
+    """`tables`: this rank's page tables, by lane."""
     d = json.loads(blob)
     if d.get("shutdown"):
         return None
     if "publish" in d:
         return Publish(d["publish"])
-    return StepMessage(d["lane"], _plan_of(d["plan"]), d["active"], d["decode"])
+    return StepMessage(d["lane"], _plan_of(d["plan"], tables.setdefault(d["lane"], PageTables())), d["active"],
+                       d["decode"])
 
 
 # ---- where this rank's messages come from and go ----------------------------------------------------------
@@ -260,6 +266,7 @@ class StageRunner:
     def __init__(self, world: World, topology: Topology, make_stage):
         self.world, self.topology, self.make_stage = world, topology, make_stage
         self.lanes: dict[int, StageExecutor] = {}
+        self.page_tables: dict[int, PageTables] = {}  # by lane: the tables this rank's plans build up
         first = self.stage(0)
         self.backend, self.cfg, self.clock = first.backend, first.cfg, first.clock
         self.transport = Transport(world, self.backend.device)
@@ -337,6 +344,7 @@ class PipelineExecutor:
         self.columns = self.topology.layout.expert_parallel
         self.column_plans = lambda: ColumnPlans(self.columns, max_batch)
         self.split_by_lane: dict = {}
+        self.sent_tables: dict[int, list[PageTables]] = {}  # what each column's ranks know of their page tables
         self.in_flight: deque = deque()
         self.clock: StageClock = runner.clock
         self.decode_steps = 0  # decode steps issued (bench: bytes moved per decode step)
@@ -358,7 +366,8 @@ class PipelineExecutor:
             plans = self.split_by_lane.setdefault(lane, self.column_plans()).split(plan)
         active, decode = bool(plan.tokens), is_decode(plan)
         self.decode_steps += decode
-        blobs = [encode_message(StepMessage(lane, p, active, decode)) for p in plans]
+        sent = self.sent_tables.setdefault(lane, [PageTables() for _ in range(self.columns)])
+        blobs = [encode_message(StepMessage(lane, p, active, decode), sent[c]) for c, p in enumerate(plans)]
         tr, topo = self.runner.transport, self.topology
         # the ids' receives first: a column's last rank may send them before this rank asks
         ids = [tr.expect_ids(topo.column_tail(c), plans[c].batch) if active and topo.column_tail(c) != 0 else None
@@ -380,12 +389,6 @@ class PipelineExecutor:
     def run(self, plan: StepPlan) -> list[int | None]:
         self.issue(0, plan)
         return self.complete()[1]
-
-    def admits(self, reuses: int | None = None, resume: int | None = None, lane: int = 0) -> bool:
-        """Whether a sequence may be admitted now (data_parallel.ColumnPlans.admits; always, with one column)."""
-        if self.columns == 1:
-            return True
-        return self.split_by_lane.setdefault(lane, self.column_plans()).admits(reuses, resume)
 
     def session_seconds(self) -> float | None:
         return self.runner.session_seconds()
@@ -418,7 +421,7 @@ def follow(runner: StageRunner, publish=lambda tag: None) -> StageRunner:
     while True:
         with runner.timing():  # the wait for the plan included: a follower's idle time is time in a transfer
             blob = tr.message(posted, topo.plan_source)
-        m = decode_message(blob)
+        m = decode_message(blob, runner.page_tables)
         if m is None or isinstance(m, Publish):
             if topo.next is not None:
                 tr.send_message(topo.next, blob)

@@ -16,6 +16,7 @@ from k2trt.errors import K2Error
 from k2trt.graphs.weights import checkpoint_specs, global_specs, layer_prefix, layer_specs
 from k2trt.runtime.backends.contract import prepare_order
 from k2trt.runtime.backends.factory import BackendChoice, open_backend
+from k2trt.runtime.cache.sizing import CacheBudget
 from k2trt.runtime.distributed import placement
 from k2trt.runtime.distributed.expert_parallel import ExchangeStats, ExpertExchange, ExpertParallelStage, ExpertShare
 from k2trt.runtime.distributed.layout import Layout, check_layout, rank_item
@@ -134,6 +135,16 @@ class RankSession:
 
     def _publish(self, tag: str = "end") -> None:
         self.world.store.set(stats_key(self.world.rank, tag), json.dumps(asdict(self._stats())))
+
+    def cache_budgets(self, mine: CacheBudget) -> list[CacheBudget] | None:
+        """Every rank says what its device may spend on its latent-cache pool (measured once its weights are
+        bound); -> rank 0: every rank's, for the scheduler's pool to be what each can hold; others: None."""
+        self.world.store.set(f"cache_budget/{self.world.rank}", mine.to_json())
+        if not self.world.first:
+            return None
+        keys = [f"cache_budget/{r}" for r in range(self.world.size)]
+        self.world.wait_for(keys, self.world.timeout_s)
+        return [CacheBudget.from_json(self.world.store.get(k)) for k in keys]
 
 
 def _read_stats(raw: bytes) -> RankStats:

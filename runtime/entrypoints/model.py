@@ -7,7 +7,6 @@ steps."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -19,9 +18,6 @@ from k2trt.runtime.backends.contract import Backend
 from k2trt.runtime.backends.factory import BackendChoice, add_backend_arguments, choice_from_args, open_backend
 
 
-# The latent-cache pool's default on a GPU: this share of the memory free once the model has loaded (vLLM's 0.9),
-# at most what every slot at --max-context needs. On a CPU the default is the latter alone.
-GPU_CACHE_SHARE = FreeShare(0.9)
 MAX_LOCAL_RANKS = 1024  # --pipeline starts this many processes on one machine, one per device
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,10 +27,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context", type=at_least(1), default=None,
                    help="refuse prompts + new tokens longer than this (default: the model's maximum)")
     p.add_argument("--cache-memory", type=memory_size, default=None, metavar="SIZE",
-                   help="latent-cache memory, every layer's: bytes (e.g. 8GiB) or a share of the device's free "
-                        "memory once the model has loaded (e.g. 90%%); its pages are shared by the sequences as "
-                        "they grow (default: every slot can reach --max-context; on a GPU at most 90%% of the "
-                        "free memory)")
+                   help="latent-cache memory per device, of the layers it holds: bytes (e.g. 8GiB) or a share "
+                        "of the device's free memory once the model has loaded (e.g. 90%%); its pages are shared "
+                        "by the sequences as they grow (default: every slot can reach --max-context; on a GPU at "
+                        "most 90%% of the free memory)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="compute every prompt in full (default: reuse the cached pages of a prompt's prefix "
                         "another request computed)")
@@ -68,6 +64,7 @@ class LoadedModel:
     checkpoint: object
     session: object = None  # a pipeline rank's RankSession, or None in a single process
     micro_batches: int = 1  # lanes of requests in flight through the pipeline (rank 0)
+    cache_budgets: list | None = None  # rank 0 of a pipeline: every rank's runtime/cache/sizing.CacheBudget
 
     @property
     def config(self):
@@ -81,38 +78,26 @@ class LoadedModel:
     def limits(self, max_context: int | None = None, max_batch: int | None = None,
                cache_memory: int | FreeShare | None = None):
         """The scheduler's limits: the model's, the user's and the backend's, resolved once. E expert-parallel
-        ranks hold E times the sequences one backend takes (each its own). cache_memory: bytes of latent cache
-        (every layer's), a share of the device's free memory, or None for the default pool."""
+        ranks hold E times the sequences one backend takes (each its own), in E partitions of the pool.
+        cache_memory: bytes of latent cache per device (of the layers it holds), a share of the device's free
+        memory, or None for the default pool. Under a pipeline each rank measured its own (`cache_budgets`, from
+        the same --cache-memory) and the pool is what every rank can hold."""
+        from k2trt.runtime.cache.sizing import CacheBudget, pool_pages
         from k2trt.runtime.generation.limits import Limits
 
         backend = self.backend.limits
         columns = self.session.layout.expert_parallel if self.session is not None else 1
         if backend.max_batch and columns > 1:
             backend = replace(backend, max_batch=backend.max_batch * columns)
-        pages = None
-        default_share = cache_memory is None and self.backend.device.type == "cuda"
-        if default_share:
-            cache_memory = GPU_CACHE_SHARE
-        if cache_memory is not None:
-            from k2trt.runtime.cache.pages import PAGE_TOKENS, page_bytes
-
-            if isinstance(cache_memory, FreeShare):
-                free = free_memory(self.backend.device)
-                asked, cache_memory = f"{cache_memory} of {free:,} free bytes", cache_memory.of(free)
-                if default_share:
-                    asked = f"(by default) {asked}"
-            else:
-                asked = f"{cache_memory:,} bytes"
-            size = page_bytes(self.config, self.backend.act_dtype, PAGE_TOKENS)
-            pages = cache_memory // size
-            unsized = Limits.resolve(self.config, backend, max_context=max_context, max_batch=max_batch)
-            want = unsized.max_batch
-            if pages < want:
-                raise K2Error(f"--cache-memory {asked} holds {pages} pages of {size:,} bytes; "
-                              f"{want} slots need at least {want * size:,} bytes (one page each)")
-            if default_share:  # at most what every slot at the context needs (the pool's default elsewhere)
-                pages = min(pages, unsized.cache_pages)
-        return Limits.resolve(self.config, backend, max_context=max_context, max_batch=max_batch, cache_pages=pages)
+        unsized = Limits.resolve(self.config, backend, max_context=max_context, max_batch=max_batch,
+                                 cache_parts=columns)
+        budgets = self.cache_budgets
+        if budgets is None:
+            layers = len(self.session.stage.layers) if self.session is not None else self.config.num_hidden_layers
+            budgets = [CacheBudget.measure(cache_memory, self.backend.device, layers)]
+        pages = pool_pages(budgets, self.config, self.backend.act_dtype, unsized.part_batch, unsized.cache_pages)
+        return Limits.resolve(self.config, backend, max_context=max_context, max_batch=max_batch, cache_pages=pages,
+                              cache_parts=columns)
 
     def scheduler(self, limits, prefix_cache: bool = True):
         """A scheduler over this model: its steps run here (one process) or down rank 0's pipeline — with several
@@ -185,7 +170,12 @@ def load_model(args, choice: BackendChoice | None = None, command: str = "genera
         counts = parse_counts(args.stages) if getattr(args, "stages", None) else None
         backend, session = load_rank(ckpt, choice, counts, getattr(args, "dist_timeout", None) or DEFAULT_TIMEOUT_S,
                                      getattr(args, "expert_parallel", None) or 1)
-        return LoadedModel(backend, tok, ckpt, session, micro_batches)
+        from k2trt.runtime.cache.sizing import CacheBudget
+
+        # each rank's device and layers, measured now its weights are bound: rank 0 sizes the pool from all of them
+        mine = CacheBudget.measure(getattr(args, "cache_memory", None), backend.device, len(session.stage.layers),
+                                   session.world.rank)
+        return LoadedModel(backend, tok, ckpt, session, micro_batches, session.cache_budgets(mine))
     if micro_batches > 1:
         raise K2Error("--micro-batches keeps several steps in flight through pipeline stages: give --pipeline too")
     backend = open_backend(choice, ckpt)
@@ -212,22 +202,6 @@ def launch_if_asked(args) -> int | None:
     check_stage_counts(counts, stages or 1, cfg.num_hidden_layers)
 
     return run_pipeline(args.argv, (stages or 1) * (experts or 1))
-
-
-def free_memory(device) -> int:
-    """Bytes the device has free: the GPU's (cudaMemGetInfo), or on a CPU the memory the kernel says is available
-    without swapping (MemAvailable)."""
-    import torch
-
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
-        return kib * 1024
-    except (OSError, StopIteration, ValueError):
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def make_generator(loaded: LoadedModel, args):

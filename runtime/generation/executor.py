@@ -22,7 +22,7 @@ from k2trt.config import K2Config
 from k2trt.runtime.backends.contract import Backend
 from k2trt.runtime.cache.pools import PagedLatentCache
 from k2trt.runtime.generation.sampling import Sampler, TokenLogprob, logprobs_of, sample_rows
-from k2trt.runtime.generation.step import Admit, Drop, Move, Park, Release, RopeTable, StepPlan, StepTensors, Swap, step_tensors
+from k2trt.runtime.generation.step import Admit, RopeTable, StepPlan, StepTensors, apply_slot_ops, step_tensors
 
 
 @dataclass
@@ -56,35 +56,19 @@ class StageExecutor:
 
     # ---- slot bookkeeping ------------------------------------------------------------------------------
     def apply(self, plan: StepPlan) -> None:
-        for op in plan.ops:
-            if isinstance(op, Admit):
-                if self.last:
-                    resumed = self.parked.pop(op.resume) if op.resume is not None else None
-                    self.samplers[op.slot] = resumed or Sampler(op.sampling, op.grammar)
-            elif isinstance(op, Release):
-                self.samplers.pop(op.slot, None)
-            elif isinstance(op, Park):
-                if op.slot in self.samplers:
-                    self.parked[op.key] = self.samplers.pop(op.slot)
-            elif isinstance(op, Drop):
-                self.parked.pop(op.key, None)
-            elif isinstance(op, Move):
-                if op.src in self.samplers:
-                    self.samplers[op.dst] = self.samplers.pop(op.src)
-            elif isinstance(op, Swap):
-                sa, sb = self.samplers.pop(op.a, None), self.samplers.pop(op.b, None)
-                if sa is not None:
-                    self.samplers[op.b] = sa
-                if sb is not None:
-                    self.samplers[op.a] = sb
-            else:
-                raise TypeError(f"unknown slot op {op!r}")
+        apply_slot_ops(plan.ops, self.samplers, self._new_sampler, self.parked)
         if plan.tables or (self.reserve_whole and plan.pool_pages):
             if self.cache.pages and plan.page_tokens != self.cache.page_tokens:
                 raise ValueError(f"a plan of {plan.page_tokens}-position pages for a cache of {self.cache.page_tokens}")
             self.cache.page_tokens = plan.page_tokens
             named = 1 + max((max(t, default=0) for t in plan.tables), default=0)
-            self.cache.reserve(max(named, plan.pool_pages) if self.reserve_whole else named)
+            if plan.pool_pages and named > plan.pool_pages:
+                raise ValueError(f"a plan names page {named - 1} of a pool of {plan.pool_pages} pages")
+            self.cache.reserve(max(named, plan.pool_pages) if self.reserve_whole else named,
+                               limit=plan.pool_pages or None)
+
+    def _new_sampler(self, op: Admit) -> Sampler | None:
+        return Sampler(op.sampling, op.grammar) if self.last else None  # only the stage with the head samples
 
     # ---- the step, in the three parts a pipeline distributes -----------------------------------------------
     def tensors(self, plan: StepPlan) -> StepTensors:

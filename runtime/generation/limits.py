@@ -11,8 +11,10 @@ One quantity runs through the runtime under four names, each bounding the next:
                four sizes an octave, never above max_context (chosen by the scheduler, StepPlan.capacity);
   P            the cache dimension of every block graph and of the step's mask [B, T, P + T]: the capacity.
 
-The cache's own limit is its pool: cache_pages pages of page_tokens positions (pages.py), shared by every running
-request; by default as many as max_batch requests at max_context hold, the most the slots could ever need.
+The cache's own limit is its pool: cache_pages pages of page_tokens positions (runtime/cache/pages.py), shared by
+every running request; by default as many as max_batch requests at max_context hold, the most the slots could ever
+need. Under expert parallelism the pool is cache_parts partitions of cache_pages pages, one per rank (each rank
+holds its own sequences' latents), and each partition holds at most part_batch of the slots.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from k2trt.config import K2Config
 from k2trt.errors import K2Error
 from k2trt.runtime.backends.contract import BackendLimits
 from k2trt.runtime.cache.pages import PAGE_TOKENS, pages_for
+from k2trt.runtime.cache.sizing import part_slots
 
 DEFAULT_SLOTS = 64  # sequences decoded together when neither the user nor the backend sets a limit
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per request per step, before the mask budget shrinks it
@@ -38,23 +41,30 @@ class Limits:
     max_batch: int  # sequence slots: requests running at once
     prefill_chunk: int  # prompt tokens per request per step (fewer when the mask budget asks)
     mask_budget: int = MASK_BUDGET  # elements of a prefill step's mask
-    cache_pages: int = 0  # pages in the latent cache's pool (0: the default, max_batch requests at max_context)
+    cache_pages: int = 0  # pages in the latent cache's pool, per partition (0: the default, the partition's slots
+    # at max_context)
     page_tokens: int = PAGE_TOKENS  # positions per page
+    cache_parts: int = 1  # partitions of the pool: one per data-parallel (expert-parallel) rank
 
     def __post_init__(self):
-        for name in ("max_context", "max_batch", "prefill_chunk", "mask_budget", "page_tokens"):
+        for name in ("max_context", "max_batch", "prefill_chunk", "mask_budget", "page_tokens", "cache_parts"):
             if getattr(self, name) < 1:
                 raise K2Error(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.cache_pages:
-            object.__setattr__(self, "cache_pages", self.max_batch * pages_for(self.max_context, self.page_tokens))
-        if self.cache_pages < self.max_batch:
-            raise K2Error(f"a cache of {self.cache_pages} pages cannot give each of the {self.max_batch} slots a "
-                          f"page: it needs at least {self.max_batch}")
+            object.__setattr__(self, "cache_pages", self.part_batch * pages_for(self.max_context, self.page_tokens))
+        if self.cache_pages < self.part_batch:
+            raise K2Error(f"a cache of {self.cache_pages} pages cannot give each of the {self.part_batch} slots a "
+                          f"page: it needs at least {self.part_batch}")
+
+    @property
+    def part_batch(self) -> int:
+        """The slots one partition of the pool holds at most (all of them with one partition)."""
+        return part_slots(self.max_batch, self.cache_parts)
 
     @classmethod
     def resolve(cls, cfg: K2Config, backend: BackendLimits, *, max_context: int | None = None,
                 max_batch: int | None = None, prefill_chunk: int | None = None,
-                mask_budget: int = MASK_BUDGET, cache_pages: int | None = None) -> "Limits":
+                mask_budget: int = MASK_BUDGET, cache_pages: int | None = None, cache_parts: int = 1) -> "Limits":
         """The tightest of the model's, the user's (None: not limited) and the backend's (what a TensorRT engine
         was built for), with the defaults where nobody sets one."""
         def tightest(*values):
@@ -63,7 +73,7 @@ class Limits:
         return cls(max_context=tightest(cfg.max_position_embeddings, max_context, backend.max_context),
                    max_batch=tightest(max_batch or DEFAULT_SLOTS, backend.max_batch),
                    prefill_chunk=tightest(prefill_chunk or DEFAULT_PREFILL_CHUNK, backend.max_tokens_per_step),
-                   mask_budget=mask_budget, cache_pages=cache_pages or 0)
+                   mask_budget=mask_budget, cache_pages=cache_pages or 0, cache_parts=cache_parts)
 
 
 class RequestError(K2Error):

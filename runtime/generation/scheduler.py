@@ -37,7 +37,7 @@ from dataclasses import astuple, dataclass, field, replace
 from typing import Callable
 
 from k2trt.config import K2Config
-from k2trt.runtime.cache.pools import CAPACITY_STEPS, bucket
+from k2trt.runtime.cache.sizing import CAPACITY_STEPS, bucket, grown_rows
 from k2trt.runtime.generation.limits import ContextTooLong, Limits, RequestError
 from k2trt.runtime.cache.pages import PagePool, page_keys, pages_for
 from k2trt.runtime.generation.sampling import DEFAULTS, SamplingParams
@@ -76,6 +76,8 @@ class Request:
     logprobs: list = field(default_factory=list)  # sampling.TokenLogprob of each token in token_ids (if asked)
     prompt_logprobs: list = field(default_factory=list)  # of each prompt token, None for the first (if asked)
     table: list[int] = field(default_factory=list)  # its cache pages, in position order (pages.py)
+    part: int | None = None  # the pool's partition holding it (an expert-parallel rank): kept while it is parked,
+    # since its sampler waits there
     cached_tokens: int | None = None  # prompt tokens its first admission reused from the prefix cache
     preemptions: int = 0
     resuming: bool = False  # feeding its prompt and tokens again after a preemption: it samples nothing till then
@@ -116,10 +118,10 @@ class SlotLayout:
     def slot(self, req: Request) -> int:
         return next(i for i, r in enumerate(self.order) if r is req)
 
-    def add(self, req: Request, resume: bool = False, reuses: int | None = None) -> list[SlotOp]:
+    def add(self, req: Request, resume: bool = False) -> list[SlotOp]:
         self.order.append(req)
         return [Admit(len(self.order) - 1, req.sampling, req.grammar, resume=req.id if resume else None,
-                      reuses=reuses)]
+                      part=req.part or 0)]
 
     def promote(self, req: Request) -> list[SlotOp]:
         """A prefilling request starts decoding: it moves to the front of the prefilling region."""
@@ -181,7 +183,7 @@ class Scheduler:
         self.executor, self.cfg, self.limits = executor, cfg, limits
         self.waiting: deque[Request] = deque()
         self.layout = SlotLayout()
-        self.pool = PagePool(limits.cache_pages, limits.page_tokens, prefix_cache)
+        self.pool = PagePool(limits.cache_pages, limits.page_tokens, prefix_cache, parts=limits.cache_parts)
         self.rows = self.capacity = 0
         self._ops: list[SlotOp] = []
         self.timings = Timings()
@@ -202,8 +204,9 @@ class Scheduler:
             raise ContextTooLong(name, len(req.prompt), req.max_new_tokens, self.limits.max_context)
         need, pool = pages_for(len(req.prompt) + req.max_new_tokens, self.pool.page_tokens), self.pool
         if need > pool.pages:
+            whole = "the whole pool" if pool.parts == 1 else "a rank's whole pool"
             raise RequestError(f"{name} has {len(req.prompt)} tokens; with {req.max_new_tokens} new tokens it needs "
-                               f"{need} cache pages, more than the whole pool of {pool.pages} "
+                               f"{need} cache pages, more than {whole} of {pool.pages} "
                                f"({pool.pages * pool.page_tokens} positions)", "prompt")
 
     def submit(self, req: Request) -> Request:
@@ -222,7 +225,7 @@ class Scheduler:
 
     def cache_counters(self) -> CacheCounters:
         in_use = self.pool.in_use
-        return replace(self.counters, pages_in_use=in_use, pages=self.pool.pages, page_tokens=self.pool.page_tokens,
+        return replace(self.counters, pages_in_use=in_use, pages=self.pool.total, page_tokens=self.pool.page_tokens,
                        positions_in_use=in_use * self.pool.page_tokens,
                        positions_held=sum(r.cached for r in list(self.layout.order)))
 
@@ -269,26 +272,17 @@ class Scheduler:
             req, pt = self.waiting[0], self.pool.page_tokens
             # a request asking for prompt log-probabilities computes its whole prompt (as vLLM's does)
             hit = self.pool.match(req.feed) if req.sampling.prompt_logprobs is None else []
-            table = self.pool.allocate(pages_for(len(req.feed), pt) - len(hit))
-            resume = req.id if req.resuming else None
-            if table is not None and hit and not self._admits(hit[0], resume):
-                # its prefix's latents are on an expert-parallel rank it cannot go to: it computes them
-                extra = self.pool.allocate(len(hit))
+            part = self._place(req, hit)
+            if part is not None and hit and self.pool.part_of(hit[0]) != part:
+                # its prefix's latents are on a rank it cannot go to: it computes them
                 self.pool.release(hit)
                 hit = []
-                if extra is None:
-                    self.pool.release(table)
-                    table = None
-                else:
-                    table = extra + table
+            table = self.pool.allocate(pages_for(len(req.feed), pt) - len(hit), part) if part is not None else None
             if table is None:
                 self.pool.release(hit)
                 return
-            if not hit and not self._admits(None, resume):
-                self.pool.release(table)
-                return
             self.waiting.popleft()
-            req.table = hit + table
+            req.table, req.part = hit + table, part
             req.fed = req.cached = len(hit) * pt
             if req.cached_tokens is None:
                 req.cached_tokens = req.cached
@@ -296,18 +290,25 @@ class Scheduler:
                 self.counters.hit_tokens += req.cached
             if req.admitted_at is None:
                 req.admitted_at = time.monotonic()
-            self._ops += self.layout.add(req, resume=req.resuming, reuses=hit[0] if hit else None)
+            self._ops += self.layout.add(req, resume=req.resuming)
 
-    def _admits(self, reuses: int | None, resume: int | None) -> bool:
-        """The executor's word on where the sequence would go (expert parallelism: the rank must have room)."""
-        admits = getattr(self.executor, "admits", None)
-        if admits is None or admits(reuses=reuses, resume=resume):
-            return True
-        if not self._ops:
-            return False
-        # its answer follows the slot operations it has seen: the frees pending since the last step come first
-        self.keepalive()
-        return admits(reuses=reuses, resume=resume)
+    def _place(self, req: Request, hit: list[int]) -> int | None:
+        """The pool's partition (data-parallel rank) the request goes to, or None while it must wait: the one its
+        parked sampler is on when it resumes; else the one holding the prefix it reuses, if that has a slot free;
+        else the one with the fewest sequences (then the most pages available, then the lowest). A partition
+        holds at most its share of the slots (Limits.part_batch)."""
+        parts = self.pool.parts
+        if parts == 1:
+            return 0
+        running = [0] * parts
+        for r in self.layout.order:
+            running[r.part] += 1
+        room = [q for q in range(parts) if running[q] < self.limits.part_batch]
+        if req.resuming:
+            return req.part if req.part in room else None
+        if hit and self.pool.part_of(hit[0]) in room:
+            return self.pool.part_of(hit[0])
+        return min(room, key=lambda q: (running[q], -self.pool.available_in(q), q), default=None)
 
     def _preempt(self, req: Request) -> None:
         """Free its pages and slot; it waits at the front of the queue to recompute what it held."""
@@ -329,11 +330,12 @@ class Scheduler:
         (last admitted) while none is left."""
         for req in list(self.layout.decoding_requests()):
             while self._running(req) and req.cached >= len(req.table) * self.pool.page_tokens:
-                page = self.pool.allocate(1)
+                page = self.pool.allocate(1, req.part)
                 if page is not None:
                     req.table += page
-                else:
-                    self._preempt(max(self.layout.order, key=lambda r: r.admitted_at))
+                else:  # the newest of its partition: only those pages are of use to it
+                    self._preempt(max((r for r in self.layout.order if r.part == req.part),
+                                      key=lambda r: r.admitted_at))
 
     def _running(self, req: Request) -> bool:
         return any(r is req for r in self.layout.order)
@@ -406,9 +408,7 @@ class Scheduler:
     def _size_cache(self, step_needs: int) -> None:
         """Rows and capacity for the next step."""
         self.capacity = self._capacity_for(step_needs)
-        rows = len(self.layout)
-        if not self.rows // 4 < rows <= self.rows:
-            self.rows = bucket(rows, self.limits.max_batch, minimum=1)
+        self.rows = grown_rows(self.rows, len(self.layout), self.limits.max_batch)
 
     def _chunk_size(self, reqs: list[Request]) -> int:
         """Prompt tokens per request in this step: the chunk, halved while the step's mask would exceed the budget

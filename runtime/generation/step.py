@@ -30,8 +30,8 @@ class Admit:
     sampling: SamplingParams
     grammar: object = None  # a runtime/text/grammar.Grammar the slot decodes under (one process only), or None
     resume: int | None = None  # a preempted sequence's key: its parked sampler comes back (Park)
-    reuses: int | None = None  # the first page of the cached prefix it reads, if any (expert parallelism: the
-    # sequence goes to the rank holding that prefix's latents)
+    part: int = 0  # the pool's partition it takes its pages from: the data-parallel (expert-parallel) rank
+    # holding its latents and its sampler, from admission to its end
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,78 @@ class Drop:
 
 
 SlotOp = Admit | Release | Park | Drop | Move | Swap
+
+
+def apply_slot_ops(ops: list[SlotOp], slots: dict, admit, parked: dict | None = None) -> None:
+    """What slot operations mean, on a table slot -> value that follows its sequence (a sampler, a page table):
+    Admit puts `admit(op)` in its slot (not when that is None), or the value parked under its resume key; Release
+    empties a slot; Park keeps its value under the key until an Admit resumes it (with `parked` None nothing is
+    kept: a preempted sequence's pages are gone, and it comes back with new ones); Drop forgets a parked value;
+    Move and Swap carry values between slots."""
+    for op in ops:
+        if isinstance(op, Admit):
+            value = parked.pop(op.resume, None) if op.resume is not None and parked is not None else None
+            value = admit(op) if value is None else value
+            if value is not None:
+                slots[op.slot] = value
+        elif isinstance(op, Release):
+            slots.pop(op.slot, None)
+        elif isinstance(op, Park):
+            value = slots.pop(op.slot, None)
+            if value is not None and parked is not None:
+                parked[op.key] = value
+        elif isinstance(op, Drop):
+            if parked is not None:
+                parked.pop(op.key, None)
+        elif isinstance(op, Move):
+            if op.src in slots:
+                slots[op.dst] = slots.pop(op.src)
+        elif isinstance(op, Swap):
+            a, b = slots.pop(op.a, None), slots.pop(op.b, None)
+            if a is not None:
+                slots[op.b] = a
+            if b is not None:
+                slots[op.a] = b
+        else:
+            raise TypeError(f"unknown slot op {op!r}")
+
+
+class PageTables:
+    """A rank's page tables by slot, kept from the plans it follows, so that a plan on the wire carries only what
+    changed and does not grow with the context: per step sequence, how many pages at the end of the table its slot
+    holds it drops and the pages it appends — [0] in most steps, since a table only grows while its sequence holds
+    the slot (a new one starts empty). Rank 0 keeps one per rank it sends plans to (`changes`), the rank its own (`tables`): both follow the
+    same plans, so they agree."""
+
+    def __init__(self):
+        self.by_slot: dict[int, list[int]] = {}
+
+    def _follow(self, plan_ops: list[SlotOp]) -> None:
+        apply_slot_ops(plan_ops, self.by_slot, lambda op: [])
+
+    def changes(self, plan: "StepPlan") -> list[list[int]]:
+        """Rank 0: what the plan's tables change, as [dropped, *appended] per step sequence."""
+        self._follow(plan.ops)
+        out = []
+        for b, table in enumerate(plan.tables):
+            known = self.by_slot.get(plan.first + b, [])
+            kept = 0
+            while kept < min(len(known), len(table)) and known[kept] == table[kept]:
+                kept += 1
+            out.append([len(known) - kept, *table[kept:]])
+            self.by_slot[plan.first + b] = list(table)
+        return out
+
+    def tables(self, first: int, ops: list[SlotOp], changes: list[list[int]]) -> list[list[int]]:
+        """A rank: the step sequences' whole tables, from the changes a plan carries."""
+        self._follow(ops)
+        out = []
+        for b, (dropped, *appended) in enumerate(changes):
+            known = self.by_slot.get(first + b, [])
+            table = known[:len(known) - dropped] + appended
+            self.by_slot[first + b] = table
+            out.append(table)
+        return out
 
 
 @dataclass
