@@ -22,7 +22,8 @@ from dataclasses import dataclass, field, replace
 from k2trt.runtime.cache.sizing import part_slots
 from k2trt.runtime.distributed.pipeline import PipelineExecutor
 from k2trt.runtime.generation.scheduler import Request, Scheduler
-from k2trt.runtime.generation.step import DECODE, PREFILL, StepPlan, is_decode
+from k2trt.runtime.generation.interfaces import BatchScheduler, Executor
+from k2trt.runtime.generation.step import DECODE, PREFILL, StepLogprobs, StepPlan, is_decode
 from k2trt.runtime.generation.timings import Timings
 
 
@@ -39,14 +40,26 @@ class _Submitted:
     issued_at: float = 0.0
 
 
-class _LaneExecutor:
+class _LaneExecutor(Executor):
     """What one lane's scheduler runs its steps on: the plan goes to the driver, the ids come back."""
+
+    samples_here = False  # the pipeline's last ranks sample
 
     def __init__(self, lanes: "MicroBatchScheduler", lane: int):
         self.lanes, self.lane = lanes, lane
 
     def run(self, plan: StepPlan) -> list[int | None]:
         return self.lanes._submit(self.lane, plan)
+
+    def take_logprobs(self) -> StepLogprobs:
+        return StepLogprobs({}, {})
+
+    @property
+    def clock(self):
+        return self.lanes.leader.clock
+
+    def session_seconds(self) -> float | None:
+        return self.lanes.leader.session_seconds()
 
 
 @dataclass
@@ -66,11 +79,12 @@ class _Intervals:
         return total
 
 
-class MicroBatchScheduler:
+class MicroBatchScheduler(BatchScheduler):
     """M lanes behind one scheduler's interface (what Generator and the server call)."""
 
     def __init__(self, leader: PipelineExecutor, cfg, limits, lanes: int, prefix_cache: bool = True):
         self.leader, self.cfg, self.limits = leader, cfg, limits
+        self.executor = leader
         lane_batch = max(1, math.ceil(limits.max_batch / lanes))
         # each lane's cache pages are its own, on every rank: the pool is dealt out with the slots
         lane_parts = part_slots(lane_batch, limits.cache_parts)
@@ -92,6 +106,9 @@ class MicroBatchScheduler:
         return self.lanes[load.index(min(load))].submit(req)
 
     samples_here = False  # the pipeline's last rank samples
+
+    def running(self) -> int:
+        return sum(s.running() for s in self.lanes)
 
     def has_work(self) -> bool:
         return any(s.has_work() for s in self.lanes)

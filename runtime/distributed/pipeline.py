@@ -41,7 +41,9 @@ from k2trt.runtime.distributed.layout import Layout
 from k2trt.runtime.distributed.world import World
 from k2trt.runtime.generation.executor import StageClock, StageExecutor
 from k2trt.runtime.generation.sampling import SamplingParams
-from k2trt.runtime.generation.step import Admit, Drop, Move, PageTables, Park, Release, StepPlan, Swap, is_decode
+from k2trt.runtime.generation.interfaces import Executor
+from k2trt.runtime.generation.step import (Admit, Drop, Move, PageTables, Park, Release, StepLogprobs, StepPlan, Swap,
+                                          is_decode)
 
 _OPS = {"admit": Admit, "release": Release, "park": Park, "drop": Drop, "move": Move, "swap": Swap}
 _NAMES = {v: k for k, v in _OPS.items()}
@@ -331,9 +333,11 @@ class StageRunner:
         return None
 
 
-class PipelineExecutor:
+class PipelineExecutor(Executor):
     """Rank 0's executor: `run(plan)` for the scheduler, as a StageExecutor's; `issue` and `complete` keep several
     numbered plans in flight (runtime/distributed/micro_batches.py)."""
+
+    samples_here = False  # the last stage's ranks sample: no grammar or log-probabilities through a pipeline
 
     def __init__(self, world: World, runner: StageRunner, max_batch: int):
         if not world.first:
@@ -389,6 +393,9 @@ class PipelineExecutor:
     def run(self, plan: StepPlan) -> list[int | None]:
         self.issue(0, plan)
         return self.complete()[1]
+
+    def take_logprobs(self) -> StepLogprobs:
+        return StepLogprobs({}, {})
 
     def session_seconds(self) -> float | None:
         return self.runner.session_seconds()

@@ -211,5 +211,5 @@ def make_generator(loaded: LoadedModel, args):
 
     limits = loaded.limits(args.max_context, cache_memory=args.cache_memory)
     scheduler = loaded.scheduler(limits, prefix_cache=args.prefix_cache)
-    return Generator(loaded.backend, loaded.config, limits, executor=getattr(scheduler, "executor", loaded.executor),
+    return Generator(loaded.backend, loaded.config, limits, executor=scheduler.executor,
                      scheduler=scheduler)

@@ -21,8 +21,10 @@ import torch
 from k2trt.config import K2Config
 from k2trt.runtime.backends.contract import Backend
 from k2trt.runtime.cache.pools import PagedLatentCache
-from k2trt.runtime.generation.sampling import Sampler, TokenLogprob, logprobs_of, sample_rows
-from k2trt.runtime.generation.step import Admit, RopeTable, StepPlan, StepTensors, apply_slot_ops, step_tensors
+from k2trt.runtime.generation.interfaces import Executor
+from k2trt.runtime.generation.sampling import Sampler, logprobs_of, sample_rows
+from k2trt.runtime.generation.step import (Admit, RopeTable, StepLogprobs, StepPlan, StepTensors, apply_slot_ops,
+                                          step_tensors)
 
 
 @dataclass
@@ -30,14 +32,9 @@ class StageClock:
     backend_s: float = 0.0  # inside the backend's embed/block/head calls
 
 
-@dataclass
-class StepLogprobs:
-    """The log-probabilities a step produced, by the step's sequence index b."""
-    sampled: dict[int, TokenLogprob]  # of the token sampled (slots whose sampling has logprobs)
-    prompt: dict[int, list[TokenLogprob | None]]  # of each prompt token of the chunk (None: the prompt's first)
+class StageExecutor(Executor):
+    samples_here = True  # the stage with the head samples (a pipeline's last stage; every stage of one process)
 
-
-class StageExecutor:
     def __init__(self, backend: Backend, cfg: K2Config, layers: list[int] | None = None,
                  first: bool = True, last: bool = True):
         self.backend, self.cfg = backend, cfg

@@ -38,6 +38,7 @@ from typing import Callable
 
 from k2trt.config import K2Config
 from k2trt.runtime.cache.sizing import CAPACITY_STEPS, bucket, grown_rows
+from k2trt.runtime.generation.interfaces import BatchScheduler, Executor
 from k2trt.runtime.generation.limits import ContextTooLong, Limits, RequestError
 from k2trt.runtime.cache.pages import PagePool, page_keys, pages_for
 from k2trt.runtime.generation.sampling import DEFAULTS, SamplingParams
@@ -178,8 +179,8 @@ class CacheCounters:
         return replace(summed, page_tokens=max(self.page_tokens, other.page_tokens))
 
 
-class Scheduler:
-    def __init__(self, executor, cfg: K2Config, limits: Limits, prefix_cache: bool = True):
+class Scheduler(BatchScheduler):
+    def __init__(self, executor: Executor, cfg: K2Config, limits: Limits, prefix_cache: bool = True):
         self.executor, self.cfg, self.limits = executor, cfg, limits
         self.waiting: deque[Request] = deque()
         self.layout = SlotLayout()
@@ -218,10 +219,13 @@ class Scheduler:
     @property
     def samples_here(self) -> bool:
         """Whether this process samples (so grammars and log-probabilities can apply): not a pipeline's rank 0."""
-        return hasattr(self.executor, "take_logprobs")
+        return self.executor.samples_here
 
     def has_work(self) -> bool:
         return bool(self.waiting or len(self.layout))
+
+    def running(self) -> int:
+        return len(self.layout)
 
     def cache_counters(self) -> CacheCounters:
         in_use = self.pool.in_use
@@ -392,7 +396,7 @@ class Scheduler:
 
     @staticmethod
     def _keep_logprobs(reqs: list[Request], step) -> None:
-        """The step's log-probabilities (executor.StepLogprobs) onto their requests, before their tokens are
+        """The step's log-probabilities (step.StepLogprobs) onto their requests, before their tokens are
         accepted (a token's entry is there when its on_token runs)."""
         for b, entries in step.prompt.items():
             reqs[b].prompt_logprobs += entries

@@ -19,7 +19,7 @@ from k2trt.config import K2Config
 from k2trt.graphs.mask import MASK_NEG
 from k2trt.graphs.rope import rope_tables
 from k2trt.runtime.cache.pages import PAGE_TOKENS, cache_rows
-from k2trt.runtime.generation.sampling import SamplingParams
+from k2trt.runtime.generation.sampling import SamplingParams, TokenLogprob
 
 PREFILL, DECODE = "prefill", "decode"
 
@@ -161,6 +161,13 @@ class StepPlan:
     @property
     def width(self) -> int:
         return max((len(t) for t in self.tokens), default=0)
+
+
+@dataclass
+class StepLogprobs:
+    """The log-probabilities a step produced, by the step's sequence index b."""
+    sampled: dict[int, TokenLogprob]  # of the token sampled (slots whose sampling has logprobs)
+    prompt: dict[int, list[TokenLogprob | None]]  # of each prompt token of the chunk (None: the prompt's first)
 
 
 def is_decode(plan: StepPlan) -> bool:

@@ -82,7 +82,7 @@ class SchedulerThread:
 
     @property
     def running(self) -> int:
-        return len(self.scheduler.layout)
+        return self.scheduler.running()
 
     def cache_counters(self):
         """The scheduler's prefix-cache and page counters (plain integers, read without stopping it)."""
