@@ -9,7 +9,7 @@ from pathlib import Path
 from k2trt.config import K2Config
 from k2trt.dirlock import writing
 from k2trt.errors import K2Error
-from k2trt.export import manifest as M
+from k2trt.export import manifest_writer as M
 from k2trt.config import BLOCK_KINDS, MOE_PART_KINDS, check_expert_parallel, expert_range
 from k2trt.export.block_graphs import activation_io, build_block_graph
 from k2trt.export.checks import check_onnx, check_trt_operators

@@ -1,6 +1,6 @@
 """manifest.json of an export directory, as its readers see it (the runtime's backends, the engine builder): its
 shape, checked before anything is read, and the graph files it names, checked against their hashes. The writer is
-k2trt.export.manifest; this module sits below both, so the runtime never imports the exporter."""
+k2trt.export.manifest_writer; this module sits below both, so the runtime never imports the exporter."""
 
 from __future__ import annotations
 

@@ -269,7 +269,7 @@ def test_k2_head_dimensions_on_onnxruntime(tmp_path):
 
 
 def test_exporter_code_change_makes_graphs_stale(tmp_path, monkeypatch):
-    from k2trt.export import manifest as M
+    from k2trt.export import manifest_writer as M
 
     export(TINY, tmp_path, "float32", log=lambda *a: None)
     assert M.load_if_current(tmp_path, TINY, "float32", 1) is not None

@@ -1,4 +1,4 @@
-"""manifest.json of an export directory: what each graph is, its I/O, which layers use it, how to prepare its
+"""manifest.json of an export directory, written: what each graph is, its I/O, which layers use it, how to prepare its
 weights — everything the runtime and the engine builder need, so neither re-derives it."""
 
 from __future__ import annotations
