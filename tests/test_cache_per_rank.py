@@ -135,6 +135,33 @@ def test_a_sequence_takes_every_page_from_one_partition_and_partitions_fill_even
     assert sched.cache_counters().pages == 16  # both partitions
 
 
+def test_a_waiting_prompt_is_hashed_once(monkeypatch):
+    """A request's page keys are computed once and extended as it grows, however many admissions it waits through
+    (they were hashed again at every attempt)."""
+    from k2trt.runtime.cache import pages as P
+    from k2trt.runtime.generation import scheduler as S
+
+    hashed = []
+    real = S.page_keys
+
+    def counting(tokens, page_tokens, parent=b""):
+        hashed.append((tokens[0] if tokens else None, len(tokens) // page_tokens))
+        return real(tokens, page_tokens, parent)
+
+    monkeypatch.setattr(S, "page_keys", counting)
+    monkeypatch.setattr(P, "page_keys", counting)
+    limits = Limits(max_context=256, max_batch=2, prefill_chunk=256, cache_pages=5, page_tokens=16)
+    sched = Scheduler(Recorder(), TINY, limits)
+    sched.submit(Request([1] * 70, 8, SamplingParams()))  # all five pages
+    waiting = sched.submit(Request([2] * 40, 4, SamplingParams()))
+    waited = 0
+    while sched.has_work():
+        sched.iteration()
+        waited += waiting.admitted_at is None
+    assert waited >= 3 and len(waiting.token_ids) == 4
+    assert sum(n for first, n in hashed if first == 2) == 2  # its two full prompt pages, once each
+
+
 # ---- page tables on the wire ---------------------------------------------------------------------------------
 
 def _decode_blob(prompt_len: int) -> bytes:

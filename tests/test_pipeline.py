@@ -55,7 +55,10 @@ def test_k2_on_4_h200_is_refused_with_the_smallest_count_that_fits(capsys):
     from k2trt.cli import main
 
     assert not placement.place_stages(k2_items(), 4, placement.parse_size("140GiB")).fits
-    assert placement.smallest_fitting(k2_items(), placement.parse_size("140GiB"), placement.DEFAULT_RESERVE, 5) == 8
+    from k2trt.runtime.distributed.layout import smallest_pipeline
+
+    assert smallest_pipeline(K2Config.preset("kimi-k2"), k2_items(), 1, placement.parse_size("140GiB"),
+                             placement.DEFAULT_RESERVE, 4096, 1, start=5) == 8
     rc = main(["plan", "--preset", "kimi-k2", "--devices", "4", "--device-memory", "140GiB"])
     cap = capsys.readouterr()
     assert rc == 2 and "embedding + 0–15" in cap.out

@@ -90,10 +90,15 @@ class PagePool:
         """The pages of the longest published prefix of `tokens`, referenced for the caller (release them with
         the rest of its table). At most len(tokens) - 1 positions: the last prompt token is always computed, its
         logits give the first sampled token."""
+        return self.match_keys(page_keys(tokens[:max(0, len(tokens) - 1)], self.page_tokens))
+
+    def match_keys(self, keys: list[bytes]) -> list[int]:
+        """`match` for a sequence whose page keys are already known (a request keeps its own, extended as it
+        grows: a prompt is hashed once, however often it waits for room)."""
         if not self.prefix_cache:
             return []
         hit: list[int] = []
-        for key in page_keys(tokens[:max(0, len(tokens) - 1)], self.page_tokens):
+        for key in keys:
             page = self.page_of.get(key)
             if page is None:
                 break

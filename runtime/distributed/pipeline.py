@@ -40,13 +40,10 @@ import torch.distributed as dist
 from k2trt.runtime.distributed.layout import Layout
 from k2trt.runtime.distributed.world import World
 from k2trt.runtime.generation.executor import StageClock, StageExecutor
-from k2trt.runtime.generation.sampling import SamplingParams
 from k2trt.runtime.generation.interfaces import Executor
-from k2trt.runtime.generation.step import (Admit, Drop, Move, PageTables, Park, Release, StepLogprobs, StepPlan, Swap,
-                                          is_decode)
+from k2trt.runtime.generation.step import (PageTables, StepLogprobs, StepPlan, is_decode, ops_from_json,
+                                          ops_to_json)
 
-_OPS = {"admit": Admit, "release": Release, "park": Park, "drop": Drop, "move": Move, "swap": Swap}
-_NAMES = {v: k for k, v in _OPS.items()}
 NOT_SAMPLED = -1
 
 
@@ -56,18 +53,13 @@ def _plan_dict(plan: StepPlan, tables: PageTables) -> dict:
     """JSON, not pickle: a rank never deserializes code from another process. The page tables go as what changed
     since the rank's last plan (step.PageTables), so a decode step's plan is as long at 8k positions as at 1k."""
     d = asdict(plan)
-    d["ops"] = [{"op": _NAMES[type(op)], **asdict(op)} for op in plan.ops]
+    d["ops"] = ops_to_json(plan.ops)
     d["tables"] = tables.changes(plan)
     return d
 
 
 def _plan_of(d: dict, tables: PageTables) -> StepPlan:
-    ops = []
-    for o in d.pop("ops"):
-        cls = _OPS[o.pop("op")]
-        if cls is Admit:
-            o["sampling"] = SamplingParams(**o["sampling"])
-        ops.append(cls(**o))
+    ops = ops_from_json(d.pop("ops"))
     d["tables"] = tables.tables(d["first"], ops, d["tables"])
     return StepPlan(**d, ops=ops)
 

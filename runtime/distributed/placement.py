@@ -233,14 +233,6 @@ def place_stages(items: list[Item], devices: int, device_memory: int, reserve: i
     return Placement(stages, device_memory, reserve)
 
 
-def smallest_fitting(items: list[Item], device_memory: int, reserve: int, start: int = 1) -> int | None:
-    """The least device count >= start whose min-max split fits, or None if even one block per device does not."""
-    for n in range(max(1, start), len(items) + 1):
-        if place_stages(items, n, device_memory, reserve).fits:
-            return n
-    return None
-
-
 def parse_counts(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",")]

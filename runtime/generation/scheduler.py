@@ -92,7 +92,8 @@ class Request:
 
     def held_keys(self, page_tokens: int, positions: int) -> list[bytes]:
         """The keys of the full pages of its first `positions` tokens (prompt, then generated: a conversation's
-        next turn resends the reply), extended as it grows."""
+        next turn resends the reply), computed once each and extended as it grows: what it looks up in the
+        prefix index when admitted and publishes as its pages fill."""
         full = positions // page_tokens
         if full > len(self._keys):
             done = len(self._keys) * page_tokens
@@ -275,7 +276,8 @@ class Scheduler(BatchScheduler):
         while self.waiting and len(self.layout) < self.limits.max_batch:
             req, pt = self.waiting[0], self.pool.page_tokens
             # a request asking for prompt log-probabilities computes its whole prompt (as vLLM's does)
-            hit = self.pool.match(req.feed) if req.sampling.prompt_logprobs is None else []
+            hit = self.pool.match_keys(req.held_keys(pt, len(req.feed) - 1)) \
+                if req.sampling.prompt_logprobs is None else []
             part = self._place(req, hit)
             if part is not None and hit and self.pool.part_of(hit[0]) != part:
                 # its prefix's latents are on a rank it cannot go to: it computes them

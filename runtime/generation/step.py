@@ -10,7 +10,7 @@ the same thing whatever else shares its step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 import torch
@@ -66,6 +66,35 @@ class Drop:
 
 
 SlotOp = Admit | Release | Park | Drop | Move | Swap
+
+
+_OP_NAMES = {Admit: "admit", Release: "release", Park: "park", Drop: "drop", Move: "move", Swap: "swap"}
+_OP_TYPES = {name: cls for cls, name in _OP_NAMES.items()}
+
+
+def ops_to_json(ops: list[SlotOp]) -> list[dict]:
+    """Slot operations as JSON values (a plan on the wire: never pickle). A grammar never travels: grammars apply
+    where the scheduler samples, in one process (a pipeline's server refuses them)."""
+    out = []
+    for op in ops:
+        d = {"op": _OP_NAMES[type(op)], **{f.name: getattr(op, f.name) for f in fields(op)}}
+        if isinstance(op, Admit):
+            if op.grammar is not None:
+                raise ValueError("a grammar cannot be sent to another process")
+            d["sampling"] = asdict(op.sampling)
+        out.append(d)
+    return out
+
+
+def ops_from_json(values: list[dict]) -> list[SlotOp]:
+    ops = []
+    for d in values:
+        d = dict(d)
+        cls = _OP_TYPES[d.pop("op")]
+        if cls is Admit:
+            d["sampling"] = SamplingParams(**d["sampling"])
+        ops.append(cls(**d))
+    return ops
 
 
 def apply_slot_ops(ops: list[SlotOp], slots: dict, admit, parked: dict | None = None) -> None:
