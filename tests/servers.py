@@ -124,7 +124,7 @@ class InProcessServer:
         self.tokenizer = tokenizer
         self.gate = Gate(open_backend(BackendChoice("ort", onnx=onnx), checkpoint))
         self.server, self.scheduler_thread = serve.make_server(args, LoadedModel(self.gate, tokenizer, checkpoint))
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if args.ssl_certfile else 'http'}://127.0.0.1:{self.port}"
         self._thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
         self._thread.start()
         wait_until(lambda: self.server.started or not self._thread.is_alive(), "the server to start")

@@ -363,10 +363,12 @@ def test_bench_reports_the_all_to_all_of_expert_parallel_ranks(tiny_ckpt, tiny_e
 
 @pytest.mark.slow
 def test_serve_over_expert_parallel_ranks_and_micro_batches(tiny_ckpt, tiny_export, tiny_ep_exports):
-    """`serve --pipeline 2 --expert-parallel 2 --micro-batches 2`: requests arriving together, greedy and seeded,
-    get the text one process generates for each alone."""
+    """`serve --pipeline 2 --expert-parallel 2 --micro-batches 2`, behind a key (rank 0 checks it: the official
+    client sends its api_key "none" as the bearer token): requests arriving together, greedy and seeded, get the
+    text one process generates for each alone."""
     import concurrent.futures as cf
 
+    import httpx
     from servers import Server
 
     from k2trt.checkpoint import Checkpoint
@@ -382,8 +384,10 @@ def test_serve_over_expert_parallel_ranks_and_micro_batches(tiny_ckpt, tiny_expo
              for t, tp, s in ((0.0, 1.0, 0), (0.9, 0.95, 7))]
     alone = [gen.generate([tok.encode(p)], 10, params, StopRules.of(tok))[0][0].text for p, params in cases]
     s = Server(tiny_ckpt, tiny_ep_exports[2], "--pipeline", "2", "--expert-parallel", "2", "--micro-batches", "2",
-               "--max-context", "512", "--dist-timeout", "60")
+               "--max-context", "512", "--dist-timeout", "60", "--api-key", "none")
     try:
+        assert httpx.get(s.url + "/v1/models", timeout=60).status_code == 401
+
         def ask(case):
             prompt, params = case
             r = s.client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=params.temperature,

@@ -23,12 +23,27 @@ from k2trt.tools.bench_serve import free_port
 BODY = {"model": "tiny", "prompt": "Hello", "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
 
 
-def send(port: int, body: dict) -> socket.socket:
+KEY = "hostile-test-key"
+
+
+@pytest.fixture(params=[None, KEY], ids=["open", "with-a-key"])
+def auth(request, monkeypatch) -> dict:
+    """The hostile clients against an open server and against one behind an API key (set as K2TRT_API_KEY, which
+    the server reads at start): the headers every request of the test sends."""
+    if request.param is None:
+        monkeypatch.delenv("K2TRT_API_KEY", raising=False)
+        return {}
+    monkeypatch.setenv("K2TRT_API_KEY", request.param)
+    return {"authorization": f"Bearer {request.param}"}
+
+
+def send(port: int, body: dict, auth: dict) -> socket.socket:
     """A whole POST /v1/completions on a connection of its own, answer unread."""
     data = json.dumps(body).encode()
+    extra = "".join(f"{k}: {v}\r\n" for k, v in auth.items()).encode()
     s = socket.create_connection(("127.0.0.1", port), timeout=HANG_S)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-              b"content-length: %d\r\n\r\n%s" % (len(data), data))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n%s"
+              b"content-length: %d\r\n\r\n%s" % (extra, len(data), data))
     return s
 
 
@@ -36,7 +51,7 @@ def disconnects(url: str, state: str) -> float:
     return metric(url, "k2trt:client_disconnects_total", f'{{state="{state}"}}')
 
 
-def test_a_client_that_leaves_is_cancelled_waiting_prefilling_or_decoding(tiny_ckpt, tiny_export):
+def test_a_client_that_leaves_is_cancelled_waiting_prefilling_or_decoding(tiny_ckpt, tiny_export, auth):
     """One slot. A non-streamed request is held in its prefill step and a streamed one waits behind it; each client
     leaves; each request is cancelled while the gate is still closed (so the server saw the disconnect itself, not
     the request's end), the waiting one stops counting as waiting at once, and /metrics counts both by state. Then a
@@ -44,11 +59,11 @@ def test_a_client_that_leaves_is_cancelled_waiting_prefilling_or_decoding(tiny_c
     with InProcessServer(tiny_ckpt, tiny_export, "--max-batch", "1", "--max-queue", "2",
                          "--max-context", "4096") as s:
         s.gate.close()
-        prefilling = send(s.port, BODY)
+        prefilling = send(s.port, BODY, auth)
         s.gate.wait_held()
         (held,) = s.scheduler.layout.order
         assert held.first_token_at is None
-        waiting = send(s.port, {**BODY, "stream": True})
+        waiting = send(s.port, {**BODY, "stream": True}, auth)
         wait_until(lambda: metric(s.url, "k2trt:num_requests_waiting") == 1, "the second request to wait")
 
         waiting.close()
@@ -61,7 +76,7 @@ def test_a_client_that_leaves_is_cancelled_waiting_prefilling_or_decoding(tiny_c
 
         passed = len(s.gate.batches)
         s.gate.allow(4)  # the cancelled request's step ends; three of the next request's steps pass
-        decoding = send(s.port, BODY)
+        decoding = send(s.port, BODY, auth)
         wait_until(lambda: len(s.gate.batches) == passed + 4 and s.gate.held == 1,
                    "three steps of the third request to pass and the next to wait at the gate")
         (third,) = s.scheduler.layout.order
@@ -70,7 +85,7 @@ def test_a_client_that_leaves_is_cancelled_waiting_prefilling_or_decoding(tiny_c
         wait_until(lambda: third.cancelled, "the decoding request to be cancelled")
         assert disconnects(s.url, "decoding") == 1
         s.gate.open()
-        r = httpx.post(s.url + "/v1/completions", json={**BODY, "max_tokens": 4}, timeout=HANG_S)
+        r = httpx.post(s.url + "/v1/completions", json={**BODY, "max_tokens": 4}, headers=auth, timeout=HANG_S)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         assert held.finish_reason == third.finish_reason == "cancelled" and len(third.token_ids) <= 4
         # the non-streamed requests whose clients left are logged and counted as nginx's 499
@@ -79,20 +94,20 @@ def test_a_client_that_leaves_is_cancelled_waiting_prefilling_or_decoding(tiny_c
 
 
 @pytest.mark.slow
-def test_a_place_in_the_queue_is_free_as_soon_as_its_client_leaves(tiny_ckpt, tiny_export):
+def test_a_place_in_the_queue_is_free_as_soon_as_its_client_leaves(tiny_ckpt, tiny_export, auth):
     """The queue holds one: while the only slot stays held at the gate, a third request is 429; the waiting
     client leaves; a fourth is accepted at once — before the scheduler has run another iteration."""
     short = {**BODY, "max_tokens": 4}
     with InProcessServer(tiny_ckpt, tiny_export, "--max-batch", "1", "--max-queue", "1") as s:
         s.gate.close()
-        running = send(s.port, short)
+        running = send(s.port, short, auth)
         s.gate.wait_held()
-        waiting = send(s.port, short)
+        waiting = send(s.port, short, auth)
         wait_until(lambda: metric(s.url, "k2trt:num_requests_waiting") == 1, "the second request to wait")
-        assert httpx.post(s.url + "/v1/completions", json=short, timeout=HANG_S).status_code == 429
+        assert httpx.post(s.url + "/v1/completions", json=short, headers=auth, timeout=HANG_S).status_code == 429
         waiting.close()
         wait_until(lambda: metric(s.url, "k2trt:num_requests_waiting") == 0, "the place to be free")
-        fourth = send(s.port, short)
+        fourth = send(s.port, short, auth)
         wait_until(lambda: metric(s.url, "k2trt:num_requests_waiting") == 1, "the fourth request to wait")
         assert s.gate.held == 1  # the scheduler is still in the step it was in
         s.gate.open()
@@ -106,20 +121,20 @@ def test_a_place_in_the_queue_is_free_as_soon_as_its_client_leaves(tiny_ckpt, ti
             sock.close()
 
 
-def test_what_can_never_fit_is_400_not_429(tiny_ckpt, tiny_export):
+def test_what_can_never_fit_is_400_not_429(tiny_ckpt, tiny_export, auth):
     short = {"model": "tiny", "max_tokens": 2, "temperature": 0}
     with InProcessServer(tiny_ckpt, tiny_export, "--max-queue", "2") as s:
         url = s.url + "/v1/completions"
-        r = httpx.post(url, json={**short, "prompt": "Hi", "n": 3}, timeout=HANG_S)
+        r = httpx.post(url, json={**short, "prompt": "Hi", "n": 3}, headers=auth, timeout=HANG_S)
         assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
         assert "more than the 2" in r.json()["error"]["message"]
-        r = httpx.post(url, json={**short, "prompt": ["a", "b", "c"]}, timeout=HANG_S)
+        r = httpx.post(url, json={**short, "prompt": ["a", "b", "c"]}, headers=auth, timeout=HANG_S)
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
-        r = httpx.post(url, json={**short, "prompt": ["a", "b"], "n": 1}, timeout=HANG_S)
+        r = httpx.post(url, json={**short, "prompt": ["a", "b"], "n": 1}, headers=auth, timeout=HANG_S)
         assert r.status_code == 200 and len(r.json()["choices"]) == 2
 
 
-def test_a_chunked_body_over_the_limit_is_413(tiny_ckpt, tiny_export):
+def test_a_chunked_body_over_the_limit_is_413(tiny_ckpt, tiny_export, auth):
     """A chunked body has no length to refuse it by: it is counted as it comes, and answered as a sized one is."""
     with InProcessServer(tiny_ckpt, tiny_export, "--max-body", "1000") as s:
         def chunks():
@@ -128,12 +143,12 @@ def test_a_chunked_body_over_the_limit_is_413(tiny_ckpt, tiny_export):
                 yield b"x" * 100
             yield b'", "max_tokens": 1}'
 
-        r = httpx.post(s.url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"},
-                       timeout=HANG_S)
+        r = httpx.post(s.url + "/v1/completions", content=chunks(),
+                       headers={"content-type": "application/json", **auth}, timeout=HANG_S)
         assert r.status_code == 413, r.text
         assert r.json()["error"]["code"] == "request_too_large"
         sized = httpx.post(s.url + "/v1/completions", content=b"{" + b" " * 2000 + b"}",
-                           headers={"content-type": "application/json"}, timeout=HANG_S)
+                           headers={"content-type": "application/json", **auth}, timeout=HANG_S)
         assert sized.status_code == 413 and sized.json()["error"]["code"] == "request_too_large"
         assert metric(s.url, "k2trt:requests_total", '{endpoint="/v1/completions",status="413"}') == 2
 
@@ -187,8 +202,8 @@ def test_shutdown_answers_what_it_cuts_short(tiny_ckpt, tiny_export, capfd):
     with InProcessServer(tiny_ckpt, tiny_export, "--max-batch", "2", "--shutdown-timeout", "0.5",
                          "--max-context", "4096") as s:
         s.gate.allow(2)
-        plain = send(s.port, BODY)
-        streamed = send(s.port, {**BODY, "stream": True})
+        plain = send(s.port, BODY, {})
+        streamed = send(s.port, {**BODY, "stream": True}, {})
         s.gate.wait_held()
         wait_until(lambda: len(s.scheduler.layout) == 2, "both requests to run")
         s.server.should_exit = True  # uvicorn's SIGTERM handler does just this

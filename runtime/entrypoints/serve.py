@@ -25,8 +25,13 @@ def run(args) -> int:
     except ImportError:
         raise K2Error("serving needs fastapi and uvicorn (pip install 'k2trt[serve]')") from None
     from k2trt.runtime.serve.connections import check_listen
+    from k2trt.runtime.serve.security import access_from_args, open_to_the_network
 
     check_listen(args.host, args.port)  # before the model loads (and before any pipeline rank starts)
+    access = access_from_args(args)  # keys, TLS files and origins, checked as early
+    warning = open_to_the_network(args.host, access)
+    if warning and _speaks_for_the_server():
+        print(warning, file=sys.stderr, flush=True)
     launched = launch_if_asked(args)
     if launched is not None:
         return launched
@@ -40,6 +45,16 @@ def run(args) -> int:
         loaded.close()
 
 
+def _speaks_for_the_server() -> bool:
+    """One process says what concerns the listening server: this one alone, our launcher (before its ranks start),
+    or torchrun's rank 0 (the rank that listens)."""
+    import os
+
+    from k2trt.runtime.distributed.launcher_link import launched, under_launcher
+
+    return not launched() or (not under_launcher() and os.environ.get("RANK", "0") == "0")
+
+
 def make_server(args, loaded):
     """The uvicorn server of `k2trt serve` for these arguments over this model, and its scheduler thread
     (started): what `serve` runs, and what a test runs in a thread of its own."""
@@ -50,6 +65,7 @@ def make_server(args, loaded):
                                                  connection_budget, open_fds, raise_file_limit)
     from k2trt.runtime.serve.app import create_app
     from k2trt.runtime.serve.scheduler_thread import SchedulerThread
+    from k2trt.runtime.serve.security import access_from_args
     from k2trt.runtime.serve.serving import ServeConfig, Serving
 
     limits = loaded.limits(args.max_context, args.max_batch, cache_memory=args.cache_memory)
@@ -59,12 +75,13 @@ def make_server(args, loaded):
     scheduler_thread = SchedulerThread(scheduler, max_waiting=args.max_queue, keepalive_s=keepalive,
                                        on_error=lambda e: server_box and setattr(server_box[0], "should_exit", True))
     name = args.served_model_name or str(args.model)
+    access = access_from_args(args)
     app = create_app(Serving(scheduler_thread.start(), loaded.tokenizer,
-                             ServeConfig(name, scheduler.limits.max_context, args.max_body)))
+                             ServeConfig(name, scheduler.limits.max_context, args.max_body)), access)
     cap, backlog = connection_budget(raise_file_limit(), open_fds(), args.max_connections)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_MARGIN_S, access_log=False,
-                            http=bounded_protocol(cap, args.read_timeout), backlog=backlog)
+                            http=bounded_protocol(cap, args.read_timeout), backlog=backlog, **access.tls)
     server_box.append(BoundedServer(config, grace_s=args.shutdown_timeout, on_grace_over=scheduler_thread.abort_all))
     return server_box[0], scheduler_thread
 

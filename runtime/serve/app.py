@@ -2,7 +2,7 @@
 the routes (routes.py) over a serving object (serving.py), with the errors and limits every route shares.
 
 Every error is OpenAI's JSON error object with the right status: 400 for a bad field (naming it) or a prompt past
-the context, 404 for an unknown model or path, 413 for a body over the limit, 429 with Retry-After when too many
+the context, 401 without a valid API key (when the server has keys: security.py), 404 for an unknown model or path, 413 for a body over the limit, 429 with Retry-After when too many
 requests wait, 503 while shutting down. A client that disconnects cancels its request, and its slot is free
 before the next step.
 """
@@ -18,6 +18,7 @@ from k2trt.runtime.serve import protocol
 from k2trt.schema import json_kind
 from k2trt.runtime.serve.metrics import LOG
 from k2trt.runtime.serve.routes import router
+from k2trt.runtime.serve.security import Access, RequireApiKey
 from k2trt.runtime.serve.serving import Serving
 
 
@@ -99,11 +100,28 @@ class CountRequests:
             self.metrics.request_done(scope["path"], status)
 
 
-def create_app(serving: Serving) -> FastAPI:
+_UNAUTHORIZED = protocol.APIError(401, "a valid API key is required: send it as 'Authorization: Bearer <key>'",
+                                  code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+async def _unauthorized(scope, receive, send):
+    await _error(_UNAUTHORIZED)(scope, receive, send)
+
+
+def create_app(serving: Serving, access: Access = Access()) -> FastAPI:
+    """Middleware, outermost last added: CORS (a preflight answered without a key), the request counter (every
+    answer counted, 401s too), the API key (checked before the body is read), the body limit."""
     app = FastAPI(title="k2trt", docs_url=None, redoc_url=None)
     app.state.serving = serving
     app.add_middleware(BodyLimit, limit=serving.config.max_body_bytes)
+    if access.api_keys:
+        app.add_middleware(RequireApiKey, keys=access.api_keys, refuse=_unauthorized)
     app.add_middleware(CountRequests, metrics=serving.metrics)  # outside BodyLimit: its 413s are counted too
+    if access.allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(access.allowed_origins),
+                           allow_methods=list(access.allowed_methods), allow_headers=list(access.allowed_headers))
     app.add_exception_handler(protocol.APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http)
