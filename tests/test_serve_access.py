@@ -203,3 +203,18 @@ def test_a_server_open_to_the_network_says_so_once(tmp_path, capsys):
     rc = main(["serve", "--model", str(tmp_path / "no-model"), "--host", "0.0.0.0", "--port", "0"])
     lines = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and lines[0] == line and sum("warning" in x for x in lines) == 1, lines
+
+
+def test_bench_serve_drives_a_server_behind_a_key(keyed, capsys, monkeypatch):
+    """`bench-serve --url` sends --api-key (or $OPENAI_API_KEY) as the bearer token; without one it says what is
+    missing in one line."""
+    from k2trt.cli import main
+
+    load = ["bench-serve", "--url", keyed.url, "--concurrency", "1", "--requests", "2", "--prompt-len", "4",
+            "--max-tokens", "2", "--json"]
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    assert main([*load, "--api-key", KEYS[1]]) == 0
+    assert '"levels"' in capsys.readouterr().out
+    assert main(load) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "asks for an API key: give --api-key" in err[0], err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 import argparse
+import os
 
 from k2trt.args import at_least, int_list
 from k2trt.hub import model_dir
@@ -37,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the short prompts (default 200)")
     p.add_argument("--prefix-tokens", type=at_least(1), default=2000,
                    help="shared-prefix: tokens the requests share; long-and-short: the long prompt (default 2000)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), metavar="KEY",
+                   help="the --url server's API key, sent as a bearer token (default: $OPENAI_API_KEY)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 

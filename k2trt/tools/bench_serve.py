@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from k2trt.errors import K2Error
 from k2trt.tools.serve_scenarios import run_scenario
-from k2trt.tools.sse_client import stream_chunks
+from k2trt.tools.sse_client import auth_headers, stream_chunks
 
 
 # the structured run's answer: one string longer than --max-tokens tokens can spell, so every step of every request is
@@ -88,7 +88,8 @@ async def one_request(client, url: str, body: dict) -> Sample:
     return Sample(times[0] - t0, [b - a for a, b in zip(times, times[1:])], tokens)
 
 
-async def run_level(url: str, bodies: list[dict], concurrency: int, kind: str = "plain") -> Level:
+async def run_level(url: str, bodies: list[dict], concurrency: int, kind: str = "plain",
+                    headers: dict | None = None) -> Level:
     import httpx
 
     queue: asyncio.Queue = asyncio.Queue()
@@ -101,7 +102,7 @@ async def run_level(url: str, bodies: list[dict], concurrency: int, kind: str = 
             level.samples.append(await one_request(client, url, queue.get_nowait()))
 
     limits = httpx.Limits(max_connections=concurrency + 2)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=600, limits=limits, headers=headers) as client:
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
         level.wall_s = time.perf_counter() - t0
@@ -220,8 +221,12 @@ def run(args) -> int:
     slots = max(levels_asked + ([args.requests] if args.scenario == "long-and-short" else []))  # all at once
     server = LiveServer(serve_args(args, slots)) if args.model is not None else None
     url = server.url if server else args.url.rstrip("/")
+    headers = auth_headers(args.api_key)
     try:
-        models = httpx.get(url + "/v1/models", timeout=30).json()["data"]
+        answer = httpx.get(url + "/v1/models", headers=headers, timeout=30)
+        if answer.status_code == 401:
+            raise K2Error(f"{url} asks for an API key: give --api-key (or set OPENAI_API_KEY)")
+        models = answer.json()["data"]
         card = models[0]
         model = args.served_model_name or card["id"]
         vocab = _vocab(args) or 1000
@@ -232,13 +237,13 @@ def run(args) -> int:
         if args.structured:  # like with like: both over the chat API
             kinds = {"plain": chat_bodies(work, False), "json_schema": chat_bodies(work, True)}
         for kind_work in kinds.values():
-            asyncio.run(run_level(url, kind_work[:2], 1))  # warm-up
+            asyncio.run(run_level(url, kind_work[:2], 1, headers=headers))  # warm-up
         levels = []
         for c in levels_asked:
             for kind, kind_work in kinds.items():
                 print(f"bench-serve: {kind}, concurrency {c}, {args.requests} requests ...", file=sys.stderr,
                       flush=True)
-                levels.append(asyncio.run(run_level(url, kind_work, c, kind)))
+                levels.append(asyncio.run(run_level(url, kind_work, c, kind, headers)))
     finally:
         if server:
             server.stop()

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 
 from k2trt.errors import K2Error
-from k2trt.tools.sse_client import stream_chunks
+from k2trt.tools.sse_client import auth_headers, stream_chunks
 
 SCENARIOS = ("multi-turn", "shared-prefix", "long-and-short")
 
@@ -151,7 +151,7 @@ def run_scenario(url: str, model: str, vocab: int, args) -> list[Pair] | Occupan
     import httpx
 
     async def main():
-        async with httpx.AsyncClient(timeout=600) as client:
+        async with httpx.AsyncClient(timeout=600, headers=auth_headers(args.api_key)) as client:
             await timed_completion(client, url, model, [1, 2, 3, 4], 2)  # warm-up
             if args.scenario == "multi-turn":
                 return await multi_turn(client, url, model, vocab, args.turns, args.turn_tokens, args.max_tokens)

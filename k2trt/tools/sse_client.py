@@ -17,3 +17,8 @@ async def stream_chunks(client, url: str, body: dict):
         async for line in r.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 yield json.loads(line[6:])
+
+
+def auth_headers(api_key: str | None) -> dict:
+    """The bearer token a server behind a key (k2trt's --api-key, vLLM's) asks for."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
