@@ -130,3 +130,74 @@ def test_shard_plan_cuts_between_weight_and_scale():
     for shard in plan[:-1]:
         assert shard[-1].dtype == "float8_e4m3fn"
     assert [s for shard in plan for s in shard] == ordered_specs(K2Config.preset("tiny"))
+
+
+# ---- --kv-lora-rank: the tiny at K2's latent width (512 + 64 = 576 cached values, what vLLM's CPU MLA takes) --------
+
+@pytest.mark.slow
+def test_kv_lora_rank_512_writes_a_checkpoint_the_project_runs(tmp_path, capsys):
+    from k2trt.graphs.reference import ReferenceModel, greedy_generate
+    from k2trt.runtime.backends.factory import BackendChoice, open_backend
+    from k2trt.runtime.generation.generator import Generator
+    from k2trt.runtime.text.tokenizer import KimiTokenizer
+
+    out = tmp_path / "k512"
+    assert cli.main(["make-tiny", str(out), "--kv-lora-rank", "512"]) == 0
+    assert "kv_lora_rank 512" in capsys.readouterr().out
+    raw = json.loads((out / "config.json").read_text())
+    assert (raw["kv_lora_rank"], raw["qk_rope_head_dim"]) == (512, 64)
+    cfg = K2Config.from_json(out)
+    assert cfg == dataclasses.replace(K2Config.preset("tiny"), kv_lora_rank=512) and cfg.latent_dim == 576
+    ckpt = Checkpoint.open(out)
+    ckpt.validate()
+    assert ckpt.tensor("model.layers.1.self_attn.kv_b_proj.weight").shape == (4 * (64 + 64), 512)
+    # the torch reference and the runtime's torch backend generate the same tokens from it
+    tok = KimiTokenizer.from_dir(out)
+    ids = tok.encode("The quick brown fox")
+    expect, first = greedy_generate(ReferenceModel(ckpt), ids, 6)
+    assert first.isfinite().all()
+    (res,), _ = Generator(open_backend(BackendChoice("torch"), ckpt), ckpt.config).generate([ids], 6)
+    assert res.token_ids == expect
+    # and transformers reads it as vLLM does: its config through configuration_deepseek.py, its tokenizer through
+    # tokenization_kimi.py
+    try:
+        from transformers import AutoConfig, AutoTokenizer
+    except ImportError:
+        return
+    hf = AutoConfig.from_pretrained(out, trust_remote_code=True)
+    assert (hf.model_type, hf.kv_lora_rank, hf.qk_rope_head_dim) == ("kimi_k2", 512, 64)
+    assert AutoTokenizer.from_pretrained(out, trust_remote_code=True).encode("The quick brown fox") == ids
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--kv-lora-rank", "100"], "kv_lora_rank (100) must be a multiple of 128"),  # FP8's 128-wide activation groups
+    (["--kv-lora-rank", "0"], "must be >= 1, got 0"),
+])
+def test_kv_lora_rank_out_of_range_is_refused_before_writing(tmp_path, capsys, argv, says):
+    assert cli.main(["make-tiny", str(tmp_path / "t"), *argv]) == 2
+    assert says in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_kv_lora_rank_applies_to_every_format():
+    for fmt, (preset, _) in tiny_mod.FORMATS.items():
+        cfg = tiny_mod.with_kv_lora_rank(K2Config.preset(preset), 512)
+        assert cfg == dataclasses.replace(K2Config.preset(preset), kv_lora_rank=512), fmt
+    assert tiny_mod.with_kv_lora_rank(K2Config.preset("tiny-int4"), 96).kv_lora_rank == 96  # bf16 attention: any width
+
+
+def test_transformers_loads_the_tinys_config_and_tokenizer(tiny):
+    """AutoTokenizer reads the model's config first: config.json's auto_map names configuration_deepseek.py and
+    tokenizer_config.json's names tokenization_kimi.py, so make-tiny writes both (k2trt's own)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (the bench extra "
+                                                              "installs it); AutoConfig/AutoTokenizer cannot be checked")
+    from k2trt.runtime.text.tokenizer import KimiTokenizer
+
+    assert (tiny / "configuration_deepseek.py").exists() and (tiny / "tokenization_kimi.py").exists()
+    hf = transformers.AutoConfig.from_pretrained(tiny, trust_remote_code=True)
+    cfg = K2Config.preset("tiny")
+    assert (hf.model_type, hf.architectures, hf.kv_lora_rank, hf.n_routed_experts, hf.topk_method) == \
+        ("kimi_k2", ["DeepseekV3ForCausalLM"], cfg.kv_lora_rank, cfg.n_routed_experts, "noaux_tc")
+    tok = transformers.AutoTokenizer.from_pretrained(tiny, trust_remote_code=True)
+    text = "Hello<|im_end|> 你好"
+    assert tok.encode(text) == KimiTokenizer.from_dir(tiny).encode(text, allow_special=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -11,7 +12,7 @@ from k2trt.runtime.text.tokenizer import KimiTokenizer, StreamDecoder
 from k2trt.tiny.tokenizer import write_tiny_tokenizer
 
 BASE = 1792
-FILES = ("tiktoken.model", "tokenizer_config.json", "special_tokens_map.json")
+FILES = ("tiktoken.model", "tokenizer_config.json", "special_tokens_map.json", "tokenization_kimi.py")
 
 TEXTS = [
     "Hello, world!",
@@ -307,3 +308,84 @@ def test_a_template_that_changes_message_text_is_refused(tok_dir, tmp_path, chan
         "{% for m in messages %}<|im_user|>{% set content = m['content'] %}{{ " + change + " }}<|im_end|>{% endfor %}")
     with pytest.raises(K2Error, match="changes message text"):
         KimiTokenizer.from_dir(tmp_path).encode_chat([{"role": "user", "content": " hi there "}])
+
+
+# ---- transformers' AutoTokenizer loads the tiny's tokenizer through our tokenization_kimi.py ---------------
+
+def _transformers():
+    return pytest.importorskip("transformers", reason="transformers is not installed (the bench extra installs it); "
+                                                      "AutoTokenizer cannot be checked")
+
+
+@pytest.fixture(scope="module", params=["k2", "thinking", "k2.5"])
+def both(request, tmp_path_factory):
+    """(KimiTokenizer, transformers' tokenizer) of one flavor's tiny tokenizer directory."""
+    transformers = _transformers()
+    d = tmp_path_factory.mktemp(f"hf-{request.param}")
+    write_tiny_tokenizer(d, BASE, flavor=request.param)
+    return KimiTokenizer.from_dir(d), transformers.AutoTokenizer.from_pretrained(d, trust_remote_code=True)
+
+
+def test_auto_map_names_the_class_written(tok_dir):
+    _transformers()
+    from k2trt.tiny import tokenization_kimi
+
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    module, cls = config["auto_map"]["AutoTokenizer"][0].split(".")
+    assert (tok_dir / f"{module}.py").read_text() == Path(tokenization_kimi.__file__).read_text()
+    assert config["tokenizer_class"] == cls == tokenization_kimi.TikTokenTokenizer.__name__
+
+
+def test_the_written_tokenizer_uses_kimis_pattern_and_gpt2s_byte_alphabet():
+    _transformers()
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from k2trt.runtime.text.tokenizer import KIMI_PAT_STR
+    from k2trt.tiny.tokenization_kimi import PAT_STR, byte_alphabet
+
+    assert PAT_STR == KIMI_PAT_STR
+    assert byte_alphabet() == [bytes_to_unicode()[b] for b in range(256)]
+
+
+SPECIAL_TEXTS = ["<|im_end|>", "a<|im_end|>b", "[BOS]x[EOS] <|im_user|>user<|im_middle|>hi",
+                 "<|reserved_token_1797|><|tool_call_begin|>f<|tool_call_argument_begin|>{}"]
+
+
+@pytest.mark.parametrize("text", TEXTS + SPECIAL_TEXTS)
+def test_transformers_encodes_and_decodes_as_k2trt(both, text):
+    tok, hf = both
+    ids = hf.encode(text)  # transformers keeps special-token spellings whole: k2trt's allow_special
+    assert ids == tok.encode(text, allow_special=True)
+    assert hf.encode(text, split_special_tokens=True) == tok.encode(text)
+    assert hf.decode(ids) == tok.decode(ids) == text
+    assert hf.convert_tokens_to_string(hf.convert_ids_to_tokens(ids)) == text  # vLLM's incremental detokenizer
+
+
+def test_transformers_vocabulary_and_special_ids(both):
+    tok, hf = both
+    assert len(hf) == hf.vocab_size == tok.vocab_size == 2048
+    assert (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (tok.bos_id, tok.eos_id, tok.pad_id)
+    assert hf.convert_tokens_to_ids("<|im_end|>") == tok.im_end_id
+    assert hf.decode([tok.bos_id, tok.im_end_id]) == "[BOS]<|im_end|>"
+    assert hf.decode([tok.bos_id, *tok.encode("hi"), tok.im_end_id], skip_special_tokens=True) == "hi"
+    split = list("😀".encode())  # a character's bytes as single-byte tokens: whole once all are there
+    assert hf.decode(split[:2]) == tok.decode(split[:2]) and hf.decode(split) == "😀"
+    assert sorted(hf.get_vocab().values()) == list(range(2048))
+
+
+@pytest.mark.parametrize("messages", CHATS)
+def test_transformers_chat_template_gives_k2trts_ids(both, messages):
+    tok, hf = both
+    for prompt in (True, False):
+        text = hf.apply_chat_template(messages, add_generation_prompt=prompt, tokenize=False)
+        assert text == tok.apply_chat_template(messages, add_generation_prompt=prompt)
+        ids = hf.apply_chat_template(messages, add_generation_prompt=prompt, tokenize=True, return_dict=False)
+        assert ids == tok.encode_chat(messages, add_generation_prompt=prompt)
+
+
+def test_transformers_saves_and_reloads_it(both, tmp_path):
+    tok, hf = both
+    hf.save_pretrained(tmp_path)
+    again = _transformers().AutoTokenizer.from_pretrained(tmp_path, trust_remote_code=True)
+    text = SPECIAL_TEXTS[2] + TEXTS[2]
+    assert again.encode(text) == hf.encode(text) and len(again) == len(hf)

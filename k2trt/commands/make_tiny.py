@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 import argparse
 
-from k2trt.args import seed
+from k2trt.args import at_least, seed
 from k2trt.tiny import checkpoint
 from k2trt.tiny.checkpoint import FORMATS
 
@@ -17,6 +17,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=list(FORMATS), default="fp8",
                         help="fp8: Kimi-K2-Instruct (default); int4: Kimi-K2-Thinking (INT4 experts); "
                              "k2.5: the INT4 model in Kimi-K2.5's layout")
+    parser.add_argument("--kv-lora-rank", type=at_least(1), default=None, metavar="N",
+                        help="the attention's latent width (default: the tiny's, 128); 512 is K2's, which vLLM's "
+                             "CPU MLA kernels require (a multiple of 128 in FP8)")
 
 
 def run(args) -> int:

@@ -2,24 +2,28 @@
 format of a Kimi K2 release.
 
 config.json (every K2 field), `model-000NN-of-0000MM.safetensors` shards with an HF index, bf16 norms / embeddings
-/ router / lm_head, a float32 router bias, and the tiny Kimi-format tokenizer; then, by format:
+/ router / lm_head, a float32 router bias, and the tiny Kimi-format tokenizer, with the code files transformers
+loads with trust_remote_code (k2trt's own tokenization_kimi.py and configuration_deepseek.py); then, by format:
   fp8   Kimi-K2-Instruct: FP8 e4m3 linears with float32 128x128 block scales;
   int4  Kimi-K2-Thinking: the routed experts compressed-tensors pack-quantized INT4 (group 32, packed by the
         library's own pack_to_int32), every other linear bf16, K2-Thinking's quantization_config; the thinking
         tokenizer (<think> tokens, its chat_template.jinja);
   k2.5  the same weights in Kimi-K2.5's layout: config.json nests the text model in `text_config`, tensors sit
         under `language_model.` beside a (tiny, never loaded) vision tower; K2.5's template opens <think>.
+--kv-lora-rank N writes the same tiny at another latent width (K2's 512: vLLM's CPU MLA kernels take only K2's
+576 cached values per token, kv_lora_rank 512 + qk_rope_head_dim 64).
 The writer (k2trt/checkpoint_writer.py) holds one shard at a time.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 from pathlib import Path
 
-from k2trt.atomic import remove_temporaries, temporary_name
+from k2trt.atomic import atomic_write_text, remove_temporaries, temporary_name
 from k2trt.checkpoint_writer import write_checkpoint
 from k2trt.dirlock import writer_lock
 from k2trt.config import K2Config
@@ -50,15 +54,26 @@ def vision_tensors(cfg: K2Config, seed: int) -> dict:
 
 # ---- make-tiny -----------------------------------------------------------------------------------
 
+def with_kv_lora_rank(cfg: K2Config, kv_lora_rank: int) -> K2Config:
+    """The config with another latent width (qk_rope_head_dim and the rest unchanged), checked as config.json is
+    read: FP8 linears take a whole number of 128-wide activation groups, so an FP8 tiny's kv_lora_rank is a multiple
+    of 128."""
+    changed = dataclasses.replace(cfg, kv_lora_rank=kv_lora_rank)
+    return K2Config.from_hf_dict(changed.to_hf_dict(), f"make-tiny --kv-lora-rank {kv_lora_rank}")
+
+
 def make_tiny(out_dir: str | Path, seed: int = 0, config: K2Config | None = None, *, force: bool = False,
-              n_shards: int = DEFAULT_SHARDS, format: str = "fp8") -> Path:
-    """Write the tiny checkpoint (and tokenizer) to out_dir. It is built in a hidden sibling directory
-    and renamed into place at the end, so an interrupted run leaves nothing half-written; the parent directory's
-    writer lock keeps two runs apart, and what a killed run left beside out_dir is removed first."""
+              n_shards: int = DEFAULT_SHARDS, format: str = "fp8", kv_lora_rank: int | None = None) -> Path:
+    """Write the tiny checkpoint (and tokenizer) to out_dir; kv_lora_rank, when given, replaces the config's. It is
+    built in a hidden sibling directory and renamed into place at the end, so an interrupted run leaves nothing
+    half-written; the parent directory's writer lock keeps two runs apart, and what a killed run left beside out_dir
+    is removed first."""
     from k2trt.tiny.tokenizer import write_tiny_tokenizer
 
     preset, flavor = FORMATS[format]
     cfg = config or K2Config.preset(preset)
+    if kv_lora_rank is not None:
+        cfg = with_kv_lora_rank(cfg, kv_lora_rank)
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     with writer_lock(out.parent, "k2trt make-tiny"):
@@ -72,6 +87,7 @@ def make_tiny(out_dir: str | Path, seed: int = 0, config: K2Config | None = None
             write_checkpoint(tmp, cfg, synthetic_tensors(cfg, seed), n_shards, others)
             if others:
                 _add_vision_config(tmp / "config.json")
+            _write_config_code(tmp, cfg)
             write_tiny_tokenizer(tmp, num_base_tokens=cfg.vocab_size - NUM_RESERVED_SPECIAL, flavor=flavor)
             _plain_permissions(tmp)
             _replace_dir(tmp, out)
@@ -81,10 +97,19 @@ def make_tiny(out_dir: str | Path, seed: int = 0, config: K2Config | None = None
     return out
 
 
+# config.json's auto_map names the config class K2's releases ship as code (K2Config.to_hf_dict); make-tiny writes
+# k2trt's own (this package's module of that name), so transformers' AutoConfig, AutoTokenizer and vLLM load the tiny.
+CONFIG_CODE = "configuration_deepseek.DeepseekV3Config"
+
+
+def _write_config_code(folder: Path, cfg: K2Config) -> None:
+    if cfg.to_hf_dict().get("auto_map", {}).get("AutoConfig") == CONFIG_CODE:  # K2.5's layout names none
+        name = CONFIG_CODE.split(".")[0] + ".py"
+        atomic_write_text(folder / name, (Path(__file__).parent / name).read_text(encoding="utf-8"))
+
+
 def _add_vision_config(path: Path) -> None:
     import json
-
-    from k2trt.atomic import atomic_write_text
 
     raw = json.loads(path.read_text())
     atomic_write_text(path, json.dumps({**raw, "vision_config": TINY_VISION_CONFIG}, indent=2) + "\n")
@@ -115,10 +140,11 @@ def _replace_dir(new: Path, target: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = make_tiny(args.dir, seed=args.seed, force=args.force, format=args.format)
+    out = make_tiny(args.dir, seed=args.seed, force=args.force, format=args.format, kv_lora_rank=args.kv_lora_rank)
     files = sorted(p for p in out.iterdir() if p.is_file())
     size = sum(p.stat().st_size for p in files)
     shards = sum(p.suffix == ".safetensors" for p in files)
-    print(f"wrote {out}: tiny K2 checkpoint ({args.format}), seed {args.seed}, {shards} shards, {len(files)} files, "
-          f"{size / 1e6:.1f} MB")
+    latent = "" if args.kv_lora_rank is None else f", kv_lora_rank {args.kv_lora_rank}"
+    print(f"wrote {out}: tiny K2 checkpoint ({args.format}{latent}), seed {args.seed}, {shards} shards, "
+          f"{len(files)} files, {size / 1e6:.1f} MB")
     return 0

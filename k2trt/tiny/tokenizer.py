@@ -1,8 +1,10 @@
 """A tiny Kimi-format tokenizer for the embedded synthetic checkpoint.
 
 Trains a byte-level BPE on a small built-in corpus and writes the same files a real Kimi K2 directory
-has (tiktoken.model, tokenizer_config.json, special_tokens_map.json), so the runtime loads both with
-one code path. Deterministic: the same num_base_tokens always gives byte-identical files.
+has (tiktoken.model, tokenizer_config.json, special_tokens_map.json, and tokenization_kimi.py, the
+transformers tokenizer class its auto_map names: k2trt's own, k2trt/tiny/tokenization_kimi.py), so the runtime
+loads both with one code path, and transformers' AutoTokenizer (trust_remote_code) loads the tiny's too.
+Deterministic: the same num_base_tokens always gives byte-identical files.
 """
 
 from __future__ import annotations
@@ -17,6 +19,11 @@ from pathlib import Path
 from k2trt.atomic import atomic_write_text
 from k2trt.errors import K2Error
 from k2trt.runtime.text.tokenizer import CONFIG_FILE, NUM_RESERVED_SPECIAL, RANKS_FILE, TEMPLATE_FILE, reserved_name
+
+# The transformers tokenizer written beside the files (its source is this package's module of the same name), and
+# the class tokenizer_config.json's auto_map and tokenizer_class name, as in K2's releases.
+CODE_FILE = "tokenization_kimi.py"
+CODE_CLASS = "TikTokenTokenizer"
 
 # Kimi K2's named special ids, as offsets from the number of base tokens (163584 in K2); the rest are reserved slots.
 # Every release names 0-4, 6, 7, 9-15, 17, 254 and 255 (K2-Instruct-0905's tokenizer_config.json: 163584..163601,
@@ -322,7 +329,7 @@ def _json(obj: dict) -> str:
 def write_tiny_tokenizer(out_dir: Path, num_base_tokens: int, *, model_max_length: int = 131072,
                          flavor: str = "k2") -> None:
     """The tokenizer files of a release's flavor (FLAVORS): K2's, or a thinking release's (<think> tokens, the
-    thinking template in chat_template.jinja)."""
+    thinking template in chat_template.jinja); with tokenization_kimi.py for transformers."""
     out_dir = Path(out_dir)
     extra, template, template_file = FLAVORS[flavor]
     vocab = train_bpe(CORPUS, num_base_tokens)
@@ -335,14 +342,14 @@ def write_tiny_tokenizer(out_dir: Path, num_base_tokens: int, *, model_max_lengt
     config = {
         "added_tokens_decoder": decoder,
         "additional_special_tokens": named,
-        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+        "auto_map": {"AutoTokenizer": [f"{Path(CODE_FILE).stem}.{CODE_CLASS}", None]},
         "bos_token": "[BOS]",
         **({} if template_file else {"chat_template": template}),
         "clean_up_tokenization_spaces": False,
         "eos_token": "[EOS]",
         "model_max_length": model_max_length,
         "pad_token": "[PAD]",
-        "tokenizer_class": "TikTokenTokenizer",
+        "tokenizer_class": CODE_CLASS,
         "unk_token": "[UNK]",
     }
     special_map = {
@@ -355,5 +362,6 @@ def write_tiny_tokenizer(out_dir: Path, num_base_tokens: int, *, model_max_lengt
     atomic_write_text(out_dir / RANKS_FILE, ranks_text)
     atomic_write_text(out_dir / CONFIG_FILE, _json(config))
     atomic_write_text(out_dir / "special_tokens_map.json", _json(special_map))
+    atomic_write_text(out_dir / CODE_FILE, (Path(__file__).parent / CODE_FILE).read_text(encoding="utf-8"))
     if template_file:
         atomic_write_text(out_dir / TEMPLATE_FILE, template)
