@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from k2trt.runtime.cache.sizing import part_slots
 from k2trt.runtime.distributed.pipeline import PipelineExecutor
 from k2trt.runtime.generation.scheduler import Request, Scheduler
+from k2trt.runtime.generation.speculation import SpecCounters
 from k2trt.runtime.generation.interfaces import BatchScheduler, Executor
 from k2trt.runtime.generation.step import DECODE, PREFILL, StepLogprobs, StepPlan, is_decode
 from k2trt.runtime.generation.timings import Timings
@@ -106,6 +107,10 @@ class MicroBatchScheduler(BatchScheduler):
         return self.lanes[load.index(min(load))].submit(req)
 
     samples_here = False  # the pipeline's last rank samples
+
+    @property
+    def spec_counters(self) -> SpecCounters:
+        return SpecCounters()  # no speculation through a pipeline yet
 
     def running(self) -> int:
         return sum(s.running() for s in self.lanes)

@@ -72,9 +72,16 @@ def run(args) -> int:
     loaded.close()
     t = timings.as_dict()
     if args.json:
+        spec = {}
+        if args.speculative_config is not None:  # vLLM's counters, and the tokens a verify step gave on average
+            c = gen.scheduler.spec_counters
+            spec = {"speculative": {"method": args.speculative_config.method, "num_drafts": c.num_drafts,
+                                    "num_draft_tokens": c.num_draft_tokens,
+                                    "num_accepted_tokens": c.num_accepted_tokens,
+                                    "mean_accepted_length": c.mean_accepted_length}}
         objs = [{"backend": loaded.backend.name, "prompt_token_ids": r.prompt_ids, "token_ids": r.token_ids,
-                 "text": r.text, "finish_reason": r.finish_reason, "cached_tokens": r.cached_tokens, "timings": t}
-                for r in results]
+                 "text": r.text, "finish_reason": r.finish_reason, "cached_tokens": r.cached_tokens, "timings": t,
+                 **spec} for r in results]
         for i in chats:
             objs[i].update(split_answer(parser(), results[i].text))
         print(json.dumps(objs[0] if len(objs) == 1 else {"results": objs, "timings": t}, ensure_ascii=False))

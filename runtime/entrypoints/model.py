@@ -20,6 +20,16 @@ from k2trt.runtime.backends.factory import BackendChoice, add_backend_arguments,
 
 MAX_LOCAL_RANKS = 1024  # --pipeline starts this many processes on one machine, one per device
 
+def speculative_config(text: str):
+    """An argparse type: --speculative-config's JSON, checked (runtime/generation/speculation.py)."""
+    from k2trt.runtime.generation.speculation import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.parse(text)
+    except K2Error as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--speculative-config: ")) from None
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=model_dir, required=True,
                    help="checkpoint directory (weights, config, tokenizer), or owner/name[@revision] from the Hugging Face cache")
@@ -31,6 +41,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "of the device's free memory once the model has loaded (e.g. 90%%); its pages are shared "
                         "by the sequences as they grow (default: every slot can reach --max-context; on a GPU at "
                         "most 90%% of the free memory)")
+    p.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM takes it: {"method": "ngram", "num_speculative_tokens": 3, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 1} (prompt lookup: drafts copied from the '
+                        "prompt and output; the tokens are those decoding without it gives)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="compute every prompt in full (default: reuse the cached pages of a prompt's prefix "
                         "another request computed)")
@@ -99,7 +113,7 @@ class LoadedModel:
         return Limits.resolve(self.config, backend, max_context=max_context, max_batch=max_batch, cache_pages=pages,
                               cache_parts=columns)
 
-    def scheduler(self, limits, prefix_cache: bool = True):
+    def scheduler(self, limits, prefix_cache: bool = True, speculation=None):
         """A scheduler over this model: its steps run here (one process) or down rank 0's pipeline — with several
         micro-batches in flight, M schedulers behind one (runtime/distributed/micro_batches.py)."""
         from k2trt.runtime.generation.executor import StageExecutor
@@ -108,8 +122,11 @@ class LoadedModel:
         if self.micro_batches > 1 and self.executor is not None:
             from k2trt.runtime.distributed.micro_batches import MicroBatchScheduler
 
+            if speculation is not None:
+                raise K2Error("--speculative-config runs in one process: not with --micro-batches yet")
             return MicroBatchScheduler(self.executor, self.config, limits, self.micro_batches, prefix_cache)
-        return Scheduler(self.executor or StageExecutor(self.backend, self.config), self.config, limits, prefix_cache)
+        return Scheduler(self.executor or StageExecutor(self.backend, self.config), self.config, limits, prefix_cache,
+                         speculation)
 
     @property
     def follower(self) -> bool:
@@ -210,6 +227,6 @@ def make_generator(loaded: LoadedModel, args):
     from k2trt.runtime.generation.generator import Generator
 
     limits = loaded.limits(args.max_context, cache_memory=args.cache_memory)
-    scheduler = loaded.scheduler(limits, prefix_cache=args.prefix_cache)
+    scheduler = loaded.scheduler(limits, prefix_cache=args.prefix_cache, speculation=args.speculative_config)
     return Generator(loaded.backend, loaded.config, limits, executor=scheduler.executor,
                      scheduler=scheduler)

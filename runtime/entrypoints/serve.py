@@ -69,7 +69,7 @@ def make_server(args, loaded):
     from k2trt.runtime.serve.serving import ServeConfig, Serving
 
     limits = loaded.limits(args.max_context, args.max_batch, cache_memory=args.cache_memory)
-    scheduler = loaded.scheduler(limits, prefix_cache=args.prefix_cache)
+    scheduler = loaded.scheduler(limits, prefix_cache=args.prefix_cache, speculation=args.speculative_config)
     server_box = []
     keepalive = min(10.0, (args.dist_timeout or DEFAULT_TIMEOUT_S) / 4)  # idle pipeline stages must hear from us
     scheduler_thread = SchedulerThread(scheduler, max_waiting=args.max_queue, keepalive_s=keepalive,

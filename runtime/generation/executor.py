@@ -96,8 +96,11 @@ class StageExecutor(Executor):
         """The head on each sampling sequence's last real position, then each row's own sampler."""
         self.logprobs = StepLogprobs({}, {})
         self._prompt_logprobs(plan, hidden)
-        rows = [b for b in range(plan.batch) if plan.sample[b]]
-        out: list[int | None] = [None] * plan.batch
+        verify = {b for b, n in enumerate(plan.drafts) if n and plan.sample[b]}
+        rows = [b for b in range(plan.batch) if plan.sample[b] and b not in verify]
+        out: list = [None] * plan.batch
+        for b in sorted(verify):
+            out[b] = self._verify(plan, b, hidden)
         if not rows:
             return out
         idx = torch.tensor(rows, device=hidden.device)
@@ -111,6 +114,29 @@ class StageExecutor(Executor):
             if s.chosen is not None:
                 self.logprobs.sampled[b] = s.chosen
         return out
+
+    def _verify(self, plan: StepPlan, b: int, hidden: torch.Tensor) -> tuple[int, ...]:
+        """A sequence feeding its last token and k drafts: the head on all 1 + k positions, then its own sampler
+        draws position by position (its grammar masking and advancing as it goes) until a draw differs from the
+        draft there -> the tokens kept, the differing (or the k+1-th) one last. One draw per token kept, in order:
+        the tokens decoding one at a time would have drawn (speculation.py)."""
+        tokens, s = plan.tokens[b], self.samplers[plan.first + b]
+        t0 = time.perf_counter()
+        logits = self.backend.head(hidden[b:b + 1, :len(tokens)].contiguous())[0]
+        self.clock.backend_s += time.perf_counter() - t0
+        drafts = tokens[len(tokens) - plan.drafts[b]:]
+        kept: list[int] = []
+        entries = []
+        for j in range(len(drafts) + 1):
+            (tok,) = sample_rows([s], logits[len(tokens) - len(drafts) - 1 + j:][:1].clone())
+            kept.append(tok)
+            if s.chosen is not None:
+                entries.append(s.chosen)
+            if j == len(drafts) or tok != drafts[j]:
+                break
+        if entries:
+            self.logprobs.verified[b] = entries
+        return tuple(kept)
 
     def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> None:
         """For each sequence feeding prompt tokens that asks: the head on all its positions of the chunk, and the

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from k2trt.runtime.generation.executor import StageClock
     from k2trt.runtime.generation.limits import Limits
     from k2trt.runtime.generation.scheduler import CacheCounters, Request
+    from k2trt.runtime.generation.speculation import SpecCounters
     from k2trt.runtime.generation.step import StepLogprobs, StepPlan
     from k2trt.runtime.generation.timings import Timings
 
@@ -41,6 +42,7 @@ class Executor(Protocol):
 class BatchScheduler(Protocol):
     executor: Executor  # what its steps run on (the one whose clock times them)
     limits: "Limits"
+    spec_counters: "SpecCounters"  # what speculative decoding proposed and kept (empty without it)
     samples_here: bool
     timings: "Timings"
 

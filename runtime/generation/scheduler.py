@@ -37,11 +37,13 @@ from dataclasses import astuple, dataclass, field, replace
 from typing import Callable
 
 from k2trt.config import K2Config
+from k2trt.errors import K2Error
 from k2trt.runtime.cache.sizing import CAPACITY_STEPS, bucket, grown_rows
 from k2trt.runtime.generation.interfaces import BatchScheduler, Executor
 from k2trt.runtime.generation.limits import ContextTooLong, Limits, RequestError
 from k2trt.runtime.cache.pages import PagePool, page_keys, pages_for
 from k2trt.runtime.generation.sampling import DEFAULTS, SamplingParams
+from k2trt.runtime.generation.speculation import DraftBackoff, SpecCounters, SpeculativeConfig
 from k2trt.runtime.generation.step import DECODE, PREFILL, Admit, Drop, Move, Park, Release, SlotOp, StepPlan, Swap
 from k2trt.runtime.generation.timings import Timings
 from k2trt.runtime.text.text_stream import NO_STOPS, StopRules, TextStream
@@ -77,6 +79,7 @@ class Request:
     logprobs: list = field(default_factory=list)  # sampling.TokenLogprob of each token in token_ids (if asked)
     prompt_logprobs: list = field(default_factory=list)  # of each prompt token, None for the first (if asked)
     table: list[int] = field(default_factory=list)  # its cache pages, in position order (pages.py)
+    backoff: DraftBackoff = field(default_factory=DraftBackoff)  # speculation's policy for it (speculation.py)
     part: int | None = None  # the pool's partition holding it (an expert-parallel rank): kept while it is parked,
     # since its sampler waits there
     cached_tokens: int | None = None  # prompt tokens its first admission reused from the prefix cache
@@ -181,8 +184,14 @@ class CacheCounters:
 
 
 class Scheduler(BatchScheduler):
-    def __init__(self, executor: Executor, cfg: K2Config, limits: Limits, prefix_cache: bool = True):
+    def __init__(self, executor: Executor, cfg: K2Config, limits: Limits, prefix_cache: bool = True,
+                 speculation: SpeculativeConfig | None = None):
         self.executor, self.cfg, self.limits = executor, cfg, limits
+        if speculation is not None and not executor.samples_here:
+            raise K2Error("--speculative-config needs the process that samples to schedule (one process): not "
+                          "through pipeline stages or expert-parallel ranks yet")
+        self.speculation = speculation
+        self.spec_counters = SpecCounters()
         self.waiting: deque[Request] = deque()
         self.layout = SlotLayout()
         self.pool = PagePool(limits.cache_pages, limits.page_tokens, prefix_cache, parts=limits.cache_parts)
@@ -347,8 +356,10 @@ class Scheduler(BatchScheduler):
         return any(r is req for r in self.layout.order)
 
     def _publish(self, req: Request) -> None:
-        """Its full pages whose latents are written (prompt and generated tokens), for other requests to reuse."""
-        keys = req.held_keys(self.pool.page_tokens, req.cached)
+        """Its full pages whose latents are written (prompt and generated tokens), for other requests to reuse —
+        as far as its tokens are known: a verify step's kept drafts are written before they are accepted."""
+        known = len(req.prompt) + len(req.token_ids)
+        keys = req.held_keys(self.pool.page_tokens, min(req.cached, known))
         self.pool.publish(req.table, keys, len(keys))
 
     def _prefill_step(self, reqs: list[Request]) -> None:
@@ -372,25 +383,58 @@ class Scheduler(BatchScheduler):
                 r.feed, r.fed, r.resuming = r.prompt, len(r.prompt), False
 
     def _decode_step(self, reqs: list[Request]) -> None:
-        ids = self._run(DECODE, reqs, [[r.pending] for r in reqs], [r.cached for r in reqs], [True] * len(reqs))
-        for r in reqs:
-            r.cached += 1
-            if r.cached % self.pool.page_tokens == 0:
+        drafts = [self._drafts(r) for r in reqs]
+        ids = self._run(DECODE, reqs, [[r.pending, *d] for r, d in zip(reqs, drafts)], [r.cached for r in reqs],
+                        [True] * len(reqs), [len(d) for d in drafts] if any(drafts) else [])
+        pt = self.pool.page_tokens
+        kept = [list(x) if isinstance(x, tuple) else [x] for x in ids]  # a verify row keeps 1 to 1 + k tokens
+        for r, d, toks in zip(reqs, drafts, kept):
+            if d:
+                self.spec_counters.add(len(d), len(toks) - 1)
+                r.backoff.verified(len(toks) - 1)
+            before = r.cached
+            r.cached += len(toks)  # its last token and the drafts kept: the rest of what it wrote is overwritten
+            if r.cached // pt > before // pt:
                 self._publish(r)
         self._note_peak()
-        for r, tok in zip(reqs, ids):
-            self._accept(r, tok)
+        for r, toks in zip(reqs, kept):
+            for tok in toks:  # one at a time, as decoding without drafts gives them: stops cut the rest
+                self._accept(r, tok)
+                if r.done:
+                    break
+            if len(toks) > 1:
+                del r.logprobs[len(r.token_ids):]  # of tokens a stop cut off
+                if self._running(r):
+                    self._publish(r)  # the pages its kept drafts filled
+
+    def _drafts(self, req: Request) -> list[int]:
+        """The draft tokens a decoding request proposes this step (none without speculation), as many as its
+        token budget, the context and the pages it holds or can take now allow."""
+        spec = self.speculation
+        if spec is None or not req.backoff.ready():
+            return []
+        room = min(req.max_new_tokens - len(req.token_ids) - 1, self.limits.max_context - req.cached - 1)
+        drafts = spec.propose(req.prompt + req.token_ids, room) if room > 0 else []
+        pt = self.pool.page_tokens
+        while drafts and req.cached + 1 + len(drafts) > len(req.table) * pt:
+            page = self.pool.allocate(1, req.part)  # a draft never preempts anyone: it shortens instead
+            if page is None:
+                drafts = drafts[:len(req.table) * pt - req.cached - 1]
+            else:
+                req.table += page
+        return drafts
 
     def _run(self, kind: str, reqs: list[Request], tokens: list[list[int]], starts: list[int],
-             sample: list[bool]) -> list[int | None]:
+             sample: list[bool], drafts: list[int] | None = None) -> list:
         self._size_cache(max(s + len(t) for s, t in zip(starts, tokens)))
         plan = StepPlan(first=self.layout.slot(reqs[0]), tokens=tokens, starts=starts, sample=sample,
                         rows=self.rows, capacity=self.capacity, ops=self._ops, tables=[list(r.table) for r in reqs],
-                        page_tokens=self.pool.page_tokens, pool_pages=self.pool.pages)
+                        page_tokens=self.pool.page_tokens, pool_pages=self.pool.pages, drafts=drafts or [])
         self._ops = []
         t0 = time.perf_counter()
         ids = self.executor.run(plan)
-        n = sum(len(t) for t in tokens) if kind == PREFILL else len(tokens)
+        # tokens computed (prefill) or generated (decode: a verify row's every token kept)
+        n = sum(len(t) for t in tokens) if kind == PREFILL else sum(len(x) if isinstance(x, tuple) else 1 for x in ids)
         self.timings.add_step(kind, time.perf_counter() - t0, n)
         if any(r.sampling.logprobs is not None or r.sampling.prompt_logprobs is not None for r in reqs):
             self._keep_logprobs(reqs, self.executor.take_logprobs())
@@ -404,6 +448,8 @@ class Scheduler(BatchScheduler):
             reqs[b].prompt_logprobs += entries
         for b, entry in step.sampled.items():
             reqs[b].logprobs.append(entry)
+        for b, entries in step.verified.items():
+            reqs[b].logprobs += entries
 
     def _capacity_for(self, step_needs: int) -> int:
         """The positions a step writing up to `step_needs` positions spans (its cache is gathered from its own

@@ -182,6 +182,8 @@ class StepPlan:
     # positions it holds and writes in this step
     page_tokens: int = PAGE_TOKENS  # positions per page
     pool_pages: int = 0  # pages in the whole pool (limits.cache_pages); 0: unknown (a plan made by hand)
+    drafts: list[int] = field(default_factory=list)  # per sequence, the draft tokens ending its tokens, to verify
+    # (speculation.py); empty: none anywhere
 
     @property
     def batch(self) -> int:
@@ -197,6 +199,7 @@ class StepLogprobs:
     """The log-probabilities a step produced, by the step's sequence index b."""
     sampled: dict[int, TokenLogprob]  # of the token sampled (slots whose sampling has logprobs)
     prompt: dict[int, list[TokenLogprob | None]]  # of each prompt token of the chunk (None: the prompt's first)
+    verified: dict[int, list[TokenLogprob]] = field(default_factory=dict)  # of each token a verify row kept
 
 
 def is_decode(plan: StepPlan) -> bool:

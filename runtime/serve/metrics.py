@@ -106,3 +106,18 @@ class _CacheCollector:
         c = self.scheduler_thread.cache_counters()
         for family, name, help_text, value in _CACHE_FAMILIES:
             yield family(name, help_text, value=value(c))
+        s = self.scheduler_thread.spec_counters()  # speculative decoding, as vLLM counts it
+        for name, help_text, value in _SPEC_COUNTERS:
+            yield CounterMetricFamily(name, help_text, value=value(s))
+        per_pos = CounterMetricFamily("k2trt:spec_decode_num_accepted_tokens_per_pos",
+                                      "draft tokens accepted at each draft position", labels=["position"])
+        for position, accepted in enumerate(s.accepted_per_pos or []):
+            per_pos.add_metric([str(position)], accepted)
+        yield per_pos
+
+
+_SPEC_COUNTERS = (
+    ("k2trt:spec_decode_num_drafts", "verify steps of a request with drafts", lambda s: s.num_drafts),
+    ("k2trt:spec_decode_num_draft_tokens", "draft tokens proposed", lambda s: s.num_draft_tokens),
+    ("k2trt:spec_decode_num_accepted_tokens", "draft tokens accepted", lambda s: s.num_accepted_tokens),
+)

@@ -14,7 +14,7 @@ import asyncio
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from k2trt.errors import K2Error
 from k2trt.runtime.generation.scheduler import Request, Scheduler
@@ -87,6 +87,11 @@ class SchedulerThread:
     def cache_counters(self):
         """The scheduler's prefix-cache and page counters (plain integers, read without stopping it)."""
         return self.scheduler.cache_counters()
+
+    def spec_counters(self):
+        """What speculative decoding proposed and kept (a copy, read without stopping the scheduler)."""
+        c = self.scheduler.spec_counters
+        return replace(c, accepted_per_pos=list(c.accepted_per_pos or []))
 
     def submit(self, request: Request, loop: asyncio.AbstractEventLoop) -> Handle:
         """Queue a checked request (K2Error for a bad one, QueueFull, ShuttingDown) and return its handle."""

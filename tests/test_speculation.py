@@ -1,0 +1,244 @@
+"""Speculative decoding by prompt lookup (runtime/generation/speculation.py): the proposal, the config, and
+exactness — the tokens with speculation are the tokens without it, greedy and seeded, through the real executor
+and scheduler, with stops, token budgets, small pools (preemption), prefix hits and log-probabilities."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from k2trt.config import K2Config
+from k2trt.errors import K2Error
+from k2trt.runtime.generation.executor import StageExecutor
+from k2trt.runtime.generation.generator import Generator
+from k2trt.runtime.generation.limits import Limits
+from k2trt.runtime.generation.sampling import SamplingParams
+from k2trt.runtime.generation.scheduler import Request, Scheduler
+from k2trt.runtime.generation.speculation import DraftBackoff, SpeculativeConfig, ngram_proposal
+from k2trt.runtime.text.text_stream import StopRules
+
+TINY = K2Config.preset("tiny")
+NGRAM = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
+
+
+# ---- the proposal ---------------------------------------------------------------------------------------------
+
+def test_the_longest_suffix_proposes_what_followed_its_latest_occurrence():
+    seq = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    assert ngram_proposal(seq, 2, 1, 3) == [7, 8]  # "2 3" last seen before 7 8 (the latest of two)
+    assert ngram_proposal(seq, 9, 1, 3) == [7, 8, 5, 2, 3]  # at most what follows
+    assert ngram_proposal(seq + [4], 3, 1, 3) == []  # 4 never seen before
+    assert ngram_proposal([5, 6, 5], 2, 1, 3) == [6, 5]
+    assert ngram_proposal([5, 6, 5], 2, 2, 3) == []  # no 2-gram repeats
+    assert ngram_proposal([5], 2, 1, 3) == [] and ngram_proposal(seq, 0, 1, 3) == []
+
+
+def test_a_request_that_stops_agreeing_backs_off_and_comes_back_when_it_agrees():
+    b = DraftBackoff()
+    b.verified(0)
+    assert [b.ready() for _ in range(2)] == [False, True]
+    b.verified(0)
+    assert [b.ready() for _ in range(3)] == [False, False, True]
+    b.verified(2)
+    assert b.ready() and b.misses == 0
+
+
+@pytest.mark.parametrize("text, says", [
+    ("{", "is not JSON"),
+    ("[1]", "must be a JSON object"),
+    ('{"method": "eagle3", "model": "x"}', "unknown key 'model'"),
+    ('{"method": "eagle3"}', "method 'eagle3' is not supported"),
+    ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be 1..16"),
+    ('{"num_speculative_tokens": "3"}', "num_speculative_tokens must be an integer"),
+    ('{"prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min <= prompt_lookup_max"),
+])
+def test_a_bad_speculative_config_is_one_line(text, says, tiny_ckpt, tiny_export, capsys):
+    from k2trt.cli import main
+
+    rc = main(["generate", "--model", str(tiny_ckpt), "--onnx", str(tiny_export), "--prompt", "hi",
+               "--speculative-config", text])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--speculative-config" in err[0] and says in err[0], err
+
+
+# ---- a model whose next token is a function of the current one ------------------------------------------------
+
+class Table:
+    """A backend with no layers: the hidden state is the token id, and the head's logits are a row of `table` —
+    so text repeats and prompt lookup has something to find, and every path of the real executor runs."""
+    name, device, act_dtype = "table", torch.device("cpu"), torch.float32
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table
+
+    def embed(self, ids):
+        return ids.unsqueeze(-1).float()
+
+    def head(self, hidden):
+        return self.table[hidden[..., 0].long()].clone()
+
+    def session_seconds(self):
+        return None
+
+
+def cyclic(vocab: int = TINY.vocab_size, period: int = 13) -> torch.Tensor:
+    """Greedy walks a cycle of `period` tokens: after one lap, every draft agrees."""
+    table = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0))
+    nxt = (torch.arange(vocab) * 5 + 1) % period
+    table[torch.arange(vocab), nxt] += 100.0
+    return table
+
+
+def narrow(vocab: int = TINY.vocab_size, width: int = 12) -> torch.Tensor:
+    """Random logits over the first `width` tokens only: sampled text repeats often, drafts sometimes agree."""
+    table = torch.full((vocab, vocab), -1e4)
+    table[:, :width] = 2 * torch.randn(vocab, width, generator=torch.Generator().manual_seed(1))
+    return table
+
+
+def run(table, cases, spec, limits=None, stagger=0):
+    """Each case (prompt, params, max_new, stops) through one scheduler; -> (requests, scheduler)."""
+    limits = limits or Limits(max_context=512, max_batch=4, prefill_chunk=64)
+    ex = StageExecutor(Table(table), TINY, layers=[])
+    sched = Scheduler(ex, TINY, limits, speculation=spec)
+    reqs = []
+    for prompt, params, max_new, stops in cases:
+        reqs.append(sched.submit(Request(list(prompt), max_new, params, StopRules(ids=frozenset(stops)))))
+        for _ in range(stagger):
+            sched.iteration()
+    sched.run_until_idle()
+    return reqs, sched
+
+
+def test_a_draft_that_always_agrees_keeps_every_token_and_changes_none():
+    cases = [([3, 4], SamplingParams(), 60, ())]
+    plain, _ = run(cyclic(), cases, None)
+    fast, sched = run(cyclic(), cases, NGRAM)
+    assert fast[0].token_ids == plain[0].token_ids and len(plain[0].token_ids) == 60
+    c = sched.spec_counters
+    assert c.mean_accepted_length > 4 and c.accepted_per_pos[0] >= c.accepted_per_pos[-1] > 0
+    assert sched.timings.decode_steps < 25 and sched.timings.decode_tokens == 59  # the first came from prefill
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_mixed_batches_greedy_and_seeded_with_stops_and_budgets_get_the_tokens_of_no_speculation(seed):
+    rnd = random.Random(seed)
+    table = narrow() if seed % 2 else cyclic()
+    cases = []
+    for i in range(6):
+        prompt = [rnd.randrange(12) for _ in range(rnd.randint(1, 20))]
+        params = SamplingParams() if i % 2 else SamplingParams(temperature=1.0, top_p=0.9, seed=rnd.randrange(99),
+                                                                logprobs=2)
+        stops = {rnd.randrange(12)} if i % 3 == 0 else set()
+        cases.append((prompt, params, rnd.randint(1, 40), stops))
+    limits = Limits(max_context=128, max_batch=3, prefill_chunk=8)
+    plain, _ = run(table, cases, None, limits, stagger=1)
+    fast, sched = run(table, cases, NGRAM, limits, stagger=1)
+    for p, f in zip(plain, fast):
+        assert f.token_ids == p.token_ids and f.finish_reason == p.finish_reason
+        assert [(e.token, round(e.logprob, 5)) for e in f.logprobs] == [(e.token, round(e.logprob, 5))
+                                                                        for e in p.logprobs]
+    assert sched.spec_counters.num_accepted_tokens > 0
+
+
+def test_a_small_pool_preempts_and_reuses_prefixes_with_the_same_tokens():
+    """Pages for the drafts are taken only where free (a draft never preempts); the pool is small enough that
+    decoding requests are preempted and prefixes are reused."""
+    rnd = random.Random(7)
+    shared = [rnd.randrange(12) for _ in range(9)]
+    cases = [(shared + [rnd.randrange(12) for _ in range(rnd.randint(1, 6))],
+              SamplingParams(temperature=0.8, seed=i), 30, ()) for i in range(6)]
+    limits = Limits(max_context=64, max_batch=3, prefill_chunk=8, cache_pages=12, page_tokens=4)
+    plain, _ = run(narrow(), cases, None, limits, stagger=2)
+    fast, sched = run(narrow(), cases, NGRAM, limits, stagger=2)
+    assert [f.token_ids for f in fast] == [p.token_ids for p in plain]
+    assert sched.counters.preemptions > 0 and sched.counters.hit_tokens > 0
+    assert sched.spec_counters.num_accepted_tokens > 0
+
+
+def test_speculation_needs_the_process_that_samples():
+    class Leader:
+        samples_here = False
+
+    with pytest.raises(K2Error, match="one process"):
+        Scheduler(Leader(), TINY, Limits(max_context=64, max_batch=1, prefill_chunk=8), speculation=NGRAM)
+
+
+# ---- the tiny model: text, stop strings, the CLI ---------------------------------------------------------------
+
+@pytest.mark.slow
+def test_the_tiny_model_gives_the_same_text_and_stops_mid_draft(tiny_ckpt, tiny_export):
+    """ONNX Runtime, greedy and seeded, a stop string cut from the plain run's own text (so it lands inside a
+    verify step's tokens where drafts agree), the same text and finish with and without prompt lookup."""
+    from k2trt.checkpoint import Checkpoint
+    from k2trt.runtime.backends.factory import BackendChoice, open_backend
+    from k2trt.runtime.text.tokenizer import KimiTokenizer
+
+    ckpt, tok = Checkpoint.open(tiny_ckpt), KimiTokenizer.from_dir(tiny_ckpt)
+    backend = open_backend(BackendChoice("ort", tiny_export), ckpt)
+    limits = Limits(max_context=512, max_batch=4, prefill_chunk=512)
+    prompt = tok.encode("one two three one two three one two three")
+
+    def gen(spec, params, stops=()):
+        ex = StageExecutor(backend, ckpt.config)
+        g = Generator(backend, ckpt.config, limits, ex, Scheduler(ex, ckpt.config, limits, speculation=spec))
+        (r,), _ = g.generate([prompt], 120, params, StopRules.of(tok, strings=list(stops)))
+        return r, g.scheduler.spec_counters
+
+    for params in (SamplingParams(), SamplingParams(temperature=0.7, seed=5)):
+        plain, _ = gen(None, params)
+        fast, counters = gen(NGRAM, params)
+        assert fast.token_ids == plain.token_ids and fast.text == plain.text
+        stop = plain.text[len(plain.text) // 2:len(plain.text) // 2 + 3]
+        if stop.strip():
+            a, _ = gen(None, params, [stop])
+            b, _ = gen(NGRAM, params, [stop])
+            assert (b.text, b.finish_reason, b.token_ids) == (a.text, a.finish_reason, a.token_ids)
+
+
+def test_generate_json_reports_the_accepted_length(tiny_ckpt, tiny_export, capsys):
+    from k2trt.cli import main
+
+    args = ["generate", "--model", str(tiny_ckpt), "--onnx", str(tiny_export), "--json", "--max-new-tokens", "24",
+            "--prompt", "a b c a b c a b c"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*args, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']) == 0
+    fast = json.loads(capsys.readouterr().out)
+    assert fast["token_ids"] == plain["token_ids"] and "speculative" not in plain
+    spec = fast["speculative"]
+    assert spec["method"] == "ngram" and spec["num_drafts"] >= 0
+    assert spec["mean_accepted_length"] is None or spec["mean_accepted_length"] >= 1
+
+
+def test_the_server_speculates_with_the_same_text_and_counts_it(tiny_ckpt, tiny_export):
+    """serve --speculative-config: the text of a greedy and a seeded completion (streamed too) equals the plain
+    server's, and /metrics has vLLM's speculative-decoding counters."""
+    import httpx
+    from servers import HANG_S, InProcessServer, metric
+
+    body = {"model": "tiny", "prompt": "one two three one two three one two three", "max_tokens": 40}
+    asks = [{**body, "temperature": 0}, {**body, "temperature": 0.8, "seed": 3}]
+
+    def answers(s):
+        out = []
+        for ask in asks:
+            out.append(httpx.post(s.url + "/v1/completions", json=ask, timeout=HANG_S).json()["choices"][0]["text"])
+            with httpx.stream("POST", s.url + "/v1/completions", json={**ask, "stream": True}, timeout=HANG_S) as r:
+                out.append("".join(json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
+                                   if line.startswith("data: {")))
+        return out
+
+    with InProcessServer(tiny_ckpt, tiny_export) as s:
+        plain = answers(s)
+    with InProcessServer(tiny_ckpt, tiny_export, "--speculative-config",
+                         '{"method": "ngram", "num_speculative_tokens": 4}') as s:
+        assert answers(s) == plain
+        drafts = metric(s.url, "k2trt:spec_decode_num_drafts_total")
+        proposed = metric(s.url, "k2trt:spec_decode_num_draft_tokens_total")
+        accepted = metric(s.url, "k2trt:spec_decode_num_accepted_tokens_total")
+        assert proposed >= drafts >= 0 and accepted <= proposed
+        assert "k2trt:spec_decode_num_drafts_total" in httpx.get(s.url + "/metrics", timeout=HANG_S).text
