@@ -242,3 +242,14 @@ def test_the_server_speculates_with_the_same_text_and_counts_it(tiny_ckpt, tiny_
         accepted = metric(s.url, "k2trt:spec_decode_num_accepted_tokens_total")
         assert proposed >= drafts >= 0 and accepted <= proposed
         assert "k2trt:spec_decode_num_drafts_total" in httpx.get(s.url + "/metrics", timeout=HANG_S).text
+
+
+def test_the_speculation_bench_reports_ratios_and_the_same_tokens(tiny_ckpt, tiny_export, capsys):
+    from k2trt.tools import spec_bench
+
+    assert spec_bench.main(["--model", str(tiny_ckpt), "--onnx", str(tiny_export), "--new-tokens", "16",
+                            "--repeat", "1", "--batch", "2", "--kinds", "repeats,rejects", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["kind"] for r in rows] == ["repeats", "rejects"] and all(r["same_tokens"] for r in rows)
+    assert all(r["ratio"] > 0 and r["batch"] == 2 for r in rows)
+    assert rows[1]["drafts"] > 0  # every suffix of the second copy was seen in the first
