@@ -1,0 +1,46 @@
+"""Paged absorbed-MLA decode attention in plain torch, dense: the reference of runtime/kernels/mla_decode.py.
+
+The attention graphs/blocks.attention computes (absorbed form), with its cache in pages as
+runtime/cache/pools.PagedLatentCache holds it: per layer a pool [pages · page_tokens, latent + rope] whose row is a
+position's normalized latent c and rotated rope key k_pe; a sequence's page table lists its pages in position order.
+For each sequence: gather its rows through its page table, score every query row q_full = [q_nope · W_uk, q_pe]
+against them (· softmax_scale), mask causally among the Q new queries (the sequence's last Q positions: query j
+attends to positions < len − Q + j + 1), softmax in fp32 and return Σ p · c, the latent part only (the caller
+multiplies it by W_uv). Everything in fp32; an fp8 pool is dequantized first, value = fp8 · scale.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def paged_rows(table: torch.Tensor, length: int, page_tokens: int) -> torch.Tensor:
+    """The pool rows (int64 [length]) of positions 0 .. length − 1 of a sequence with page table `table`."""
+    pos = torch.arange(length, device=table.device)
+    return table.long()[pos // page_tokens] * page_tokens + pos % page_tokens
+
+
+def paged_mla_decode_reference(q: torch.Tensor, pool: torch.Tensor, page_tables: torch.Tensor,
+                               lengths: torch.Tensor, softmax_scale: float,
+                               page_tokens: int, kv_scale: torch.Tensor | float | None = None,
+                               latent_dim: int = 512) -> torch.Tensor:
+    """q [B, Q, H, latent + rope], pool [rows, latent + rope], page_tables [B, max_pages], lengths [B] (positions
+    held, the Q new ones included), positions per page (runtime/cache/pages.PAGE_TOKENS) -> o [B, Q, H, latent]
+    in q's dtype. A query with no position to attend (a length of 0) gets 0."""
+    b, n_q, heads, _ = q.shape
+    kv_all = pool.float()
+    if pool.dtype == torch.float8_e4m3fn:
+        kv_all = kv_all * torch.as_tensor(kv_scale, dtype=torch.float32, device=pool.device)
+    out = torch.zeros(b, n_q, heads, latent_dim, dtype=torch.float32, device=q.device)
+    for i in range(b):
+        n = int(lengths[i])
+        if n == 0:
+            continue
+        kv = kv_all[paged_rows(page_tables[i], n, page_tokens)]  # [n, latent + rope]
+        scores = torch.einsum("qhd,nd->qhn", q[i].float(), kv) * softmax_scale  # [Q, H, n]
+        limit = n - n_q + torch.arange(n_q, device=q.device) + 1  # query j: positions < len - Q + j + 1
+        visible = torch.arange(n, device=q.device)[None, :] < limit[:, None]  # [Q, n]
+        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query with nothing visible: 0
+        out[i] = torch.einsum("qhn,nd->qhd", probs, kv[:, :latent_dim])
+    return out.to(q.dtype)
