@@ -17,7 +17,7 @@ from k2trt.runtime.generation.generator import Generator
 from k2trt.runtime.generation.limits import Limits
 from k2trt.runtime.generation.sampling import SamplingParams
 from k2trt.runtime.generation.scheduler import Request, Scheduler
-from k2trt.runtime.generation.speculation import DraftBackoff, SpeculativeConfig, ngram_proposal
+from k2trt.runtime.generation.speculation import DraftBackoff, SpeculativeConfig, SpeedPolicy, ngram_proposal
 from k2trt.runtime.text.text_stream import StopRules
 
 TINY = K2Config.preset("tiny")
@@ -44,6 +44,20 @@ def test_a_request_that_stops_agreeing_backs_off_and_comes_back_when_it_agrees()
     assert [b.ready() for _ in range(3)] == [False, False, True]
     b.verified(2)
     assert b.ready() and b.misses == 0
+
+
+def test_speculation_pauses_where_it_is_slower_and_tries_again():
+    p = SpeedPolicy()
+    assert [p.allow() for _ in range(SpeedPolicy.WARMUP)] == [False] * SpeedPolicy.WARMUP  # the plain rate first
+    for _ in range(3):
+        p.observe(0.01, 8, speculated=False)  # 800 tok/s without drafts
+    assert p.allow()
+    p.observe(0.02, 12, speculated=True)  # 600 tok/s with them: it pauses
+    assert [p.allow() for _ in range(SpeedPolicy.PAUSE_STEPS)] == [False] * SpeedPolicy.PAUSE_STEPS
+    assert p.allow()  # and tries again
+    for _ in range(6):
+        p.observe(0.01, 20, speculated=True)  # 2000 tok/s: the average climbs past the plain rate
+    assert p.spec_rate > p.plain_rate and p.allow() and p.pause == 0
 
 
 @pytest.mark.parametrize("text, says", [
@@ -99,11 +113,23 @@ def narrow(vocab: int = TINY.vocab_size, width: int = 12) -> torch.Tensor:
     return table
 
 
+class Always:
+    """A speed policy that always lets requests propose: what the counters below count does not depend on how
+    fast this machine runs the steps (the measured policy is tested on its own)."""
+
+    def allow(self):
+        return True
+
+    def observe(self, seconds, tokens, speculated):
+        pass
+
+
 def run(table, cases, spec, limits=None, stagger=0):
     """Each case (prompt, params, max_new, stops) through one scheduler; -> (requests, scheduler)."""
     limits = limits or Limits(max_context=512, max_batch=4, prefill_chunk=64)
     ex = StageExecutor(Table(table), TINY, layers=[])
     sched = Scheduler(ex, TINY, limits, speculation=spec)
+    sched.spec_policy = Always()
     reqs = []
     for prompt, params, max_new, stops in cases:
         reqs.append(sched.submit(Request(list(prompt), max_new, params, StopRules(ids=frozenset(stops)))))

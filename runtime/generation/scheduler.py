@@ -43,7 +43,7 @@ from k2trt.runtime.generation.interfaces import BatchScheduler, Executor
 from k2trt.runtime.generation.limits import ContextTooLong, Limits, RequestError
 from k2trt.runtime.cache.pages import PagePool, page_keys, pages_for
 from k2trt.runtime.generation.sampling import DEFAULTS, SamplingParams
-from k2trt.runtime.generation.speculation import DraftBackoff, SpecCounters, SpeculativeConfig
+from k2trt.runtime.generation.speculation import DraftBackoff, SpecCounters, SpeculativeConfig, SpeedPolicy
 from k2trt.runtime.generation.step import DECODE, PREFILL, Admit, Drop, Move, Park, Release, SlotOp, StepPlan, Swap
 from k2trt.runtime.generation.timings import Timings
 from k2trt.runtime.text.text_stream import NO_STOPS, StopRules, TextStream
@@ -192,6 +192,7 @@ class Scheduler(BatchScheduler):
                           "through pipeline stages or expert-parallel ranks yet")
         self.speculation = speculation
         self.spec_counters = SpecCounters()
+        self.spec_policy = SpeedPolicy()
         self.waiting: deque[Request] = deque()
         self.layout = SlotLayout()
         self.pool = PagePool(limits.cache_pages, limits.page_tokens, prefix_cache, parts=limits.cache_parts)
@@ -383,11 +384,15 @@ class Scheduler(BatchScheduler):
                 r.feed, r.fed, r.resuming = r.prompt, len(r.prompt), False
 
     def _decode_step(self, reqs: list[Request]) -> None:
-        drafts = [self._drafts(r) for r in reqs]
+        speculate = self.speculation is not None and self.spec_policy.allow()
+        drafts = [self._drafts(r) if speculate else [] for r in reqs]
+        t0 = time.perf_counter()
         ids = self._run(DECODE, reqs, [[r.pending, *d] for r, d in zip(reqs, drafts)], [r.cached for r in reqs],
                         [True] * len(reqs), [len(d) for d in drafts] if any(drafts) else [])
         pt = self.pool.page_tokens
         kept = [list(x) if isinstance(x, tuple) else [x] for x in ids]  # a verify row keeps 1 to 1 + k tokens
+        if self.speculation is not None:
+            self.spec_policy.observe(time.perf_counter() - t0, sum(map(len, kept)), any(drafts))
         for r, d, toks in zip(reqs, drafts, kept):
             if d:
                 self.spec_counters.add(len(d), len(toks) - 1)

@@ -60,7 +60,8 @@ class SpeculativeConfig:
             if key not in known:
                 raise K2Error(f"--speculative-config: unknown key {key!r} (known: {', '.join(known)})")
             if not isinstance(value, known[key]) or isinstance(value, bool):
-                raise K2Error(f"--speculative-config: {key} must be {'a string' if known[key] is str else 'an integer'}")
+                kind = "a string" if known[key] is str else "an integer"
+                raise K2Error(f"--speculative-config: {key} must be {kind}")
         return cls(**d)
 
     def propose(self, tokens: list[int], most: int) -> list[int]:
@@ -135,3 +136,40 @@ class SpecCounters:
     def mean_accepted_length(self) -> float | None:
         """Tokens per verify step: the accepted drafts and the target's own token."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+
+@dataclass
+class SpeedPolicy:
+    """Whether speculating pays here, measured: the tokens per second of decode steps with drafts against those
+    without (moving averages), so speculation pauses where verifying k drafts costs more than the drafts kept give
+    back — on a device where a step's cost follows its positions (a CPU, a large batch) rather than the weights it
+    reads — and resumes to check again. The first WARMUP steps run without drafts to measure the plain rate."""
+    plain_rate: float | None = None
+    spec_rate: float | None = None
+    pause: int = 0  # decode steps left without drafts
+    WARMUP = 4
+    PAUSE_STEPS = 64  # plain steps between two trials of speculation once it lost
+    SMOOTHING = 0.3  # weight of the newest step in each average
+
+    def __post_init__(self):
+        self.pause = self.WARMUP
+
+    def allow(self) -> bool:
+        """Called once per decode step: may its requests propose drafts?"""
+        if self.pause:
+            self.pause -= 1
+            return False
+        return True
+
+    def observe(self, seconds: float, tokens: int, speculated: bool) -> None:
+        if seconds <= 0 or tokens <= 0:
+            return
+        rate = tokens / seconds
+        if speculated:
+            self.spec_rate = rate if self.spec_rate is None else \
+                self.spec_rate + self.SMOOTHING * (rate - self.spec_rate)
+            if self.plain_rate is not None and self.spec_rate < self.plain_rate:
+                self.pause = self.PAUSE_STEPS
+        else:
+            self.plain_rate = rate if self.plain_rate is None else \
+                self.plain_rate + self.SMOOTHING * (rate - self.plain_rate)
