@@ -225,6 +225,7 @@ def test_the_tiny_model_gives_the_same_text_and_stops_mid_draft(tiny_ckpt, tiny_
             assert (b.text, b.finish_reason, b.token_ids) == (a.text, a.finish_reason, a.token_ids)
 
 
+@pytest.mark.slow
 def test_generate_json_reports_the_accepted_length(tiny_ckpt, tiny_export, capsys):
     from k2trt.cli import main
 
@@ -240,18 +241,29 @@ def test_generate_json_reports_the_accepted_length(tiny_ckpt, tiny_export, capsy
     assert spec["mean_accepted_length"] is None or spec["mean_accepted_length"] >= 1
 
 
+@pytest.mark.slow
 def test_the_server_speculates_with_the_same_text_and_counts_it(tiny_ckpt, tiny_export):
-    """serve --speculative-config: the text of a greedy and a seeded completion (streamed too) equals the plain
-    server's, and /metrics has vLLM's speculative-decoding counters."""
+    """serve --speculative-config: the text of a greedy and a seeded completion (streamed too) and of a greedy and a
+    seeded chat under a json_schema grammar equals the plain server's, and /metrics has vLLM's speculative-decoding
+    counters."""
     import httpx
     from servers import HANG_S, InProcessServer, metric
 
     body = {"model": "tiny", "prompt": "one two three one two three one two three", "max_tokens": 40}
-    asks = [{**body, "temperature": 0}, {**body, "temperature": 0.8, "seed": 3}]
+    schema = {"type": "json_schema", "json_schema": {"name": "a", "strict": True, "schema": {
+        "type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"], "additionalProperties": False}}}
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "a a a a"}], "max_tokens": 30,
+            "response_format": schema}
+    asks = [{**body, "temperature": 0}, {**body, "temperature": 0.8, "seed": 3},
+            {**chat, "temperature": 0}, {**chat, "temperature": 0.9, "seed": 4}]  # every verify position masked
 
     def answers(s):
         out = []
         for ask in asks:
+            if "messages" in ask:  # the chat API, under its grammar
+                answer = httpx.post(s.url + "/v1/chat/completions", json=ask, timeout=HANG_S).json()
+                out.append(answer["choices"][0]["message"]["content"])
+                continue
             out.append(httpx.post(s.url + "/v1/completions", json=ask, timeout=HANG_S).json()["choices"][0]["text"])
             with httpx.stream("POST", s.url + "/v1/completions", json={**ask, "stream": True}, timeout=HANG_S) as r:
                 out.append("".join(json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
@@ -270,6 +282,7 @@ def test_the_server_speculates_with_the_same_text_and_counts_it(tiny_ckpt, tiny_
         assert "k2trt:spec_decode_num_drafts_total" in httpx.get(s.url + "/metrics", timeout=HANG_S).text
 
 
+@pytest.mark.slow
 def test_the_speculation_bench_reports_ratios_and_the_same_tokens(tiny_ckpt, tiny_export, capsys):
     from k2trt.tools import spec_bench
 
