@@ -185,12 +185,12 @@ def test_a_small_pool_preempts_and_reuses_prefixes_with_the_same_tokens():
     assert sched.spec_counters.num_accepted_tokens > 0
 
 
-def test_speculation_needs_the_process_that_samples():
-    class Leader:
-        samples_here = False
+def test_speculation_needs_an_executor_that_verifies():
+    class Lane:
+        samples_here = verifies_drafts = False
 
-    with pytest.raises(K2Error, match="one process"):
-        Scheduler(Leader(), TINY, Limits(max_context=64, max_batch=1, prefill_chunk=8), speculation=NGRAM)
+    with pytest.raises(K2Error, match="not supported with --micro-batches"):
+        Scheduler(Lane(), TINY, Limits(max_context=64, max_batch=1, prefill_chunk=8), speculation=NGRAM)
 
 
 # ---- the tiny model: text, stop strings, the CLI ---------------------------------------------------------------
@@ -292,3 +292,37 @@ def test_the_speculation_bench_reports_ratios_and_the_same_tokens(tiny_ckpt, tin
     assert [r["kind"] for r in rows] == ["repeats", "rejects"] and all(r["same_tokens"] for r in rows)
     assert all(r["ratio"] > 0 and r["batch"] == 2 for r in rows)
     assert rows[1]["drafts"] > 0  # every suffix of the second copy was seen in the first
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, sampling", [
+    (["--pipeline", "2"], ["--temperature", "0"]),
+    (["--expert-parallel", "2"], ["--temperature", "0.8", "--seed", "3"]),
+], ids=["2-stages-greedy", "2-ep-ranks-seeded"])
+def test_stages_and_expert_parallel_ranks_verify_drafts_with_the_same_tokens(tiny_ckpt, tiny_export, tiny_ep_exports,
+                                                                             layout, sampling):
+    """Drafts verified on the last stage (each rank its own sequences), the kept tokens sent back with the ids: the
+    tokens of one process without speculation. The prompt holds nearly every token of the vocabulary, so the first
+    step the speed policy lets propose has drafts whatever the model writes."""
+    import subprocess
+    import sys
+
+    from k2trt.runtime.text.tokenizer import KimiTokenizer
+
+    tok = KimiTokenizer.from_dir(tiny_ckpt)
+    prompt = tok.decode(list(range(3, TINY.vocab_size - 256)))
+    onnx = tiny_ep_exports[2] if "--expert-parallel" in layout else tiny_export
+    base = ["generate", "--model", str(tiny_ckpt), "--onnx", str(onnx), "--json", "--max-new-tokens", "16",
+            "--prompt", prompt, "--max-context", "4096", *sampling]
+    spec = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+
+    def gen(extra):
+        r = subprocess.run([sys.executable, "-m", "k2trt.cli", *base, *extra], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout)
+
+    alone = gen(["--onnx", str(tiny_export)])
+    spread = gen([*layout, *spec])
+    assert spread["token_ids"] == alone["token_ids"]
+    assert spread["speculative"]["num_drafts"] > 0

@@ -129,7 +129,8 @@ class ColumnPlans:
             plans.append(StepPlan(first=first, tokens=[plan.tokens[b] for b in rows],
                                   starts=[plan.starts[b] for b in rows], sample=[plan.sample[b] for b in rows],
                                   rows=mine.rows, capacity=plan.capacity, ops=ops, tables=tables,
-                                  page_tokens=plan.page_tokens, pool_pages=plan.pool_pages))
+                                  page_tokens=plan.page_tokens, pool_pages=plan.pool_pages,
+                                  drafts=[plan.drafts[b] for b in rows] if plan.drafts else []))
         for h in admitted:  # its parked sampler is back in use (every rank's ops are made)
             h.key = None
         return plans

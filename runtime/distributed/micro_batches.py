@@ -45,6 +45,7 @@ class _LaneExecutor(Executor):
     """What one lane's scheduler runs its steps on: the plan goes to the driver, the ids come back."""
 
     samples_here = False  # the pipeline's last ranks sample
+    verifies_drafts = False  # no speculation across micro-batches yet
 
     def __init__(self, lanes: "MicroBatchScheduler", lane: int):
         self.lanes, self.lane = lanes, lane

@@ -45,6 +45,7 @@ from k2trt.runtime.generation.step import (PageTables, StepLogprobs, StepPlan, i
                                           ops_to_json)
 
 NOT_SAMPLED = -1
+PADDING = -2  # after the tokens a verify row kept, to the step's widest row
 
 
 # ---- plans and step messages as bytes -----------------------------------------------------------------------
@@ -237,18 +238,38 @@ class Transport:
     def expect_hidden(self, src: int, shape: tuple[int, ...], dtype: torch.dtype) -> Posted:
         return self._post(torch.empty(shape, dtype=dtype, device=self.device), src, self.world.device_group)
 
-    def send_ids(self, dst: int, ids: list[int | None]) -> None:
+    def send_ids(self, dst: int, ids: list, drafts: list[int]) -> None:
         """A column's sampled ids (at least one value travels: a column with no sequence in the step sends a
-        placeholder)."""
-        values = [NOT_SAMPLED if i is None else i for i in ids] or [NOT_SAMPLED]
-        self._send(torch.tensor(values, dtype=torch.int64), dst, self.world.cpu_group)
+        placeholder); a verify row (drafts[b] > 0, speculation.py) sends the 1 to 1 + k tokens it kept, each row
+        padded to the step's widest."""
+        width = ids_width(drafts)
+        values = []
+        for i in ids:
+            row = list(i) if isinstance(i, tuple) else [NOT_SAMPLED if i is None else i]
+            values += row + [PADDING] * (width - len(row))
+        self._send(torch.tensor(values or [NOT_SAMPLED], dtype=torch.int64), dst, self.world.cpu_group)
 
-    def expect_ids(self, src: int, batch: int) -> tuple[Posted, int]:
-        return self._post(torch.empty(max(1, batch), dtype=torch.int64), src, self.world.cpu_group), batch
+    def expect_ids(self, src: int, batch: int, drafts: list[int]) -> tuple[Posted, int, list[int]]:
+        size = max(1, batch * ids_width(drafts))
+        return self._post(torch.empty(size, dtype=torch.int64), src, self.world.cpu_group), batch, drafts
 
-    def ids(self, expected: tuple[Posted, int]) -> list[int | None]:
-        posted, batch = expected
-        return [None if i == NOT_SAMPLED else int(i) for i in self.wait(posted).tolist()[:batch]]
+    def ids(self, expected: tuple[Posted, int, list[int]]) -> list:
+        posted, batch, drafts = expected
+        width = ids_width(drafts)
+        values = self.wait(posted).tolist()[:batch * width]
+        out = []
+        for b in range(batch):
+            row = values[b * width:(b + 1) * width]
+            if b < len(drafts) and drafts[b]:
+                out.append(tuple(int(v) for v in row if v != PADDING))
+            else:
+                out.append(None if row[0] == NOT_SAMPLED else int(row[0]))
+        return out
+
+
+def ids_width(drafts: list[int]) -> int:
+    """Values per row of a step's ids: 1, or 1 + the most drafts a row of it verifies."""
+    return 1 + max(drafts, default=0)
 
 
 # ---- one rank's part of the steps ---------------------------------------------------------------------------
@@ -330,6 +351,7 @@ class PipelineExecutor(Executor):
     numbered plans in flight (runtime/distributed/micro_batches.py)."""
 
     samples_here = False  # the last stage's ranks sample: no grammar or log-probabilities through a pipeline
+    verifies_drafts = True  # a verify row's kept tokens come back with the ids
 
     def __init__(self, world: World, runner: StageRunner, max_batch: int):
         if not world.first:
@@ -366,7 +388,8 @@ class PipelineExecutor(Executor):
         blobs = [encode_message(StepMessage(lane, p, active, decode), sent[c]) for c, p in enumerate(plans)]
         tr, topo = self.runner.transport, self.topology
         # the ids' receives first: a column's last rank may send them before this rank asks
-        ids = [tr.expect_ids(topo.column_tail(c), plans[c].batch) if active and topo.column_tail(c) != 0 else None
+        ids = [tr.expect_ids(topo.column_tail(c), plans[c].batch, plans[c].drafts)
+               if active and topo.column_tail(c) != 0 else None
                for c in range(self.columns)]
         for column in range(1, self.columns):
             tr.send_message(topo.column_head(column), blobs[column])
@@ -435,4 +458,4 @@ def follow(runner: StageRunner, publish=lambda tag: None) -> StageRunner:
             posted = tr.expect_message(topo.plan_source)
             ids = runner.step(m, blob, hidden)
             if ids is not None:
-                tr.send_ids(0, ids)
+                tr.send_ids(0, ids, m.plan.drafts)

@@ -123,7 +123,7 @@ class LoadedModel:
             from k2trt.runtime.distributed.micro_batches import MicroBatchScheduler
 
             if speculation is not None:
-                raise K2Error("--speculative-config runs in one process: not with --micro-batches yet")
+                raise K2Error("--speculative-config is not supported with --micro-batches yet")
             return MicroBatchScheduler(self.executor, self.config, limits, self.micro_batches, prefix_cache)
         return Scheduler(self.executor or StageExecutor(self.backend, self.config), self.config, limits, prefix_cache,
                          speculation)

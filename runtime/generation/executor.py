@@ -34,6 +34,7 @@ class StageClock:
 
 class StageExecutor(Executor):
     samples_here = True  # the stage with the head samples (a pipeline's last stage; every stage of one process)
+    verifies_drafts = True
 
     def __init__(self, backend: Backend, cfg: K2Config, layers: list[int] | None = None,
                  first: bool = True, last: bool = True):

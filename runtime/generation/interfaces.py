@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 class Executor(Protocol):
     samples_here: bool  # whether this process samples: grammars and log-probabilities apply only where it does
     clock: "StageClock"  # time inside the backend's calls (a pipeline's: rank 0's)
+    verifies_drafts: bool  # whether a step may carry drafts to verify and give back each verify row's kept tokens
 
     def run(self, plan: "StepPlan") -> list[int | None]:
         """Apply the plan's slot operations and run its step: -> the sampled id of each sequence (None where it

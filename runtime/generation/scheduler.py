@@ -187,9 +187,8 @@ class Scheduler(BatchScheduler):
     def __init__(self, executor: Executor, cfg: K2Config, limits: Limits, prefix_cache: bool = True,
                  speculation: SpeculativeConfig | None = None):
         self.executor, self.cfg, self.limits = executor, cfg, limits
-        if speculation is not None and not executor.samples_here:
-            raise K2Error("--speculative-config needs the process that samples to schedule (one process): not "
-                          "through pipeline stages or expert-parallel ranks yet")
+        if speculation is not None and not executor.verifies_drafts:
+            raise K2Error("--speculative-config is not supported with --micro-batches yet")
         self.speculation = speculation
         self.spec_counters = SpecCounters()
         self.spec_policy = SpeedPolicy()
