@@ -196,28 +196,33 @@ def test_speculation_needs_an_executor_that_verifies():
 # ---- the tiny model: text, stop strings, the CLI ---------------------------------------------------------------
 
 @pytest.mark.slow
-def test_the_tiny_model_gives_the_same_text_and_stops_mid_draft(tiny_ckpt, tiny_export):
-    """ONNX Runtime, greedy and seeded, a stop string cut from the plain run's own text (so it lands inside a
-    verify step's tokens where drafts agree), the same text and finish with and without prompt lookup."""
+@pytest.mark.parametrize("backend_name, new_tokens", [("ort", 80), ("torch", 24)])
+def test_the_tiny_model_gives_the_same_text_and_stops_mid_draft(tiny_ckpt, tiny_export, backend_name, new_tokens):
+    """ONNX Runtime and the torch reference, greedy and seeded, a stop string cut from the plain run's own text (so
+    it lands inside a verify step's tokens where drafts agree), the same text and finish with and without prompt
+    lookup; the speed policy is set to always propose, so drafts are verified whatever this machine's speed."""
     from k2trt.checkpoint import Checkpoint
     from k2trt.runtime.backends.factory import BackendChoice, open_backend
     from k2trt.runtime.text.tokenizer import KimiTokenizer
 
     ckpt, tok = Checkpoint.open(tiny_ckpt), KimiTokenizer.from_dir(tiny_ckpt)
-    backend = open_backend(BackendChoice("ort", tiny_export), ckpt)
-    limits = Limits(max_context=512, max_batch=4, prefill_chunk=512)
-    prompt = tok.encode("one two three one two three one two three")
+    backend = open_backend(BackendChoice(backend_name, tiny_export), ckpt)
+    limits = Limits(max_context=2048, max_batch=4, prefill_chunk=512)
+    # half the vocabulary's ids, then a phrase: much of what the model writes was seen, so drafts are found
+    prompt = list(range(3, 1000)) + tok.encode(" one two three one two three")
 
     def gen(spec, params, stops=()):
         ex = StageExecutor(backend, ckpt.config)
-        g = Generator(backend, ckpt.config, limits, ex, Scheduler(ex, ckpt.config, limits, speculation=spec))
-        (r,), _ = g.generate([prompt], 120, params, StopRules.of(tok, strings=list(stops)))
+        sched = Scheduler(ex, ckpt.config, limits, speculation=spec)
+        sched.spec_policy = Always()
+        g = Generator(backend, ckpt.config, limits, ex, sched)
+        (r,), _ = g.generate([prompt], new_tokens, params, StopRules.of(tok, strings=list(stops)))
         return r, g.scheduler.spec_counters
 
     for params in (SamplingParams(), SamplingParams(temperature=0.7, seed=5)):
         plain, _ = gen(None, params)
         fast, counters = gen(NGRAM, params)
-        assert fast.token_ids == plain.token_ids and fast.text == plain.text
+        assert fast.token_ids == plain.token_ids and fast.text == plain.text and counters.num_drafts > 0
         stop = plain.text[len(plain.text) // 2:len(plain.text) // 2 + 3]
         if stop.strip():
             a, _ = gen(None, params, [stop])
