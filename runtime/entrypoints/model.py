@@ -110,8 +110,7 @@ class LoadedModel:
             layers = len(self.session.stage.layers) if self.session is not None else self.config.num_hidden_layers
             budgets = [CacheBudget.measure(cache_memory, self.backend.device, layers)]
         pages = pool_pages(budgets, self.config, self.backend.act_dtype, unsized.part_batch, unsized.cache_pages)
-        return Limits.resolve(self.config, backend, max_context=max_context, max_batch=max_batch, cache_pages=pages,
-                              cache_parts=columns)
+        return replace(unsized, cache_pages=pages) if pages else unsized
 
     def scheduler(self, limits, prefix_cache: bool = True, speculation=None):
         """A scheduler over this model: its steps run here (one process) or down rank 0's pipeline — with several

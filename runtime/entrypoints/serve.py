@@ -40,7 +40,7 @@ def run(args) -> int:
         loaded.session.follow()
         return 0
     try:
-        return serve(args, loaded)
+        return serve(args, loaded, access)
     finally:
         loaded.close()
 
@@ -55,7 +55,7 @@ def _speaks_for_the_server() -> bool:
     return not launched() or (not under_launcher() and os.environ.get("RANK", "0") == "0")
 
 
-def make_server(args, loaded):
+def make_server(args, loaded, access=None):
     """The uvicorn server of `k2trt serve` for these arguments over this model, and its scheduler thread
     (started): what `serve` runs, and what a test runs in a thread of its own."""
     import uvicorn
@@ -75,7 +75,7 @@ def make_server(args, loaded):
     scheduler_thread = SchedulerThread(scheduler, max_waiting=args.max_queue, keepalive_s=keepalive,
                                        on_error=lambda e: server_box and setattr(server_box[0], "should_exit", True))
     name = args.served_model_name or str(args.model)
-    access = access_from_args(args)
+    access = access or access_from_args(args)  # `run` checked it before the model loaded
     app = create_app(Serving(scheduler_thread.start(), loaded.tokenizer,
                              ServeConfig(name, scheduler.limits.max_context, args.max_body)), access)
     cap, backlog = connection_budget(raise_file_limit(), open_fds(), args.max_connections)
@@ -86,10 +86,10 @@ def make_server(args, loaded):
     return server_box[0], scheduler_thread
 
 
-def serve(args, loaded) -> int:
+def serve(args, loaded, access=None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    server, scheduler_thread = make_server(args, loaded)
+    server, scheduler_thread = make_server(args, loaded, access)
     # uvicorn stops gracefully on SIGINT/SIGTERM, then raises the signal again for the handlers it found: ours
     # note it, so that a requested stop ends with status 0 (SIGTERM) or 130 (^C) instead of dying by the signal.
     received: list[int] = []

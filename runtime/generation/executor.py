@@ -129,7 +129,7 @@ class StageExecutor(Executor):
         kept: list[int] = []
         entries = []
         for j in range(len(drafts) + 1):
-            (tok,) = sample_rows([s], logits[len(tokens) - len(drafts) - 1 + j:][:1].clone())
+            (tok,) = sample_rows([s], logits[j:j + 1].clone())  # tokens are [last, *drafts]: row j follows token j
             kept.append(tok)
             if s.chosen is not None:
                 entries.append(s.chosen)

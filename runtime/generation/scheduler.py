@@ -183,6 +183,11 @@ class CacheCounters:
         return replace(summed, page_tokens=max(self.page_tokens, other.page_tokens))
 
 
+def kept_tokens(sampled) -> list:
+    """A decode row's tokens: the one it sampled, or the 1 to 1 + k a verify row kept (a tuple)."""
+    return list(sampled) if isinstance(sampled, tuple) else [sampled]
+
+
 class Scheduler(BatchScheduler):
     def __init__(self, executor: Executor, cfg: K2Config, limits: Limits, prefix_cache: bool = True,
                  speculation: SpeculativeConfig | None = None):
@@ -389,7 +394,7 @@ class Scheduler(BatchScheduler):
         ids = self._run(DECODE, reqs, [[r.pending, *d] for r, d in zip(reqs, drafts)], [r.cached for r in reqs],
                         [True] * len(reqs), [len(d) for d in drafts] if any(drafts) else [])
         pt = self.pool.page_tokens
-        kept = [list(x) if isinstance(x, tuple) else [x] for x in ids]  # a verify row keeps 1 to 1 + k tokens
+        kept = [kept_tokens(x) for x in ids]
         if self.speculation is not None:
             self.spec_policy.observe(time.perf_counter() - t0, sum(map(len, kept)), any(drafts))
         for r, d, toks in zip(reqs, drafts, kept):
@@ -438,7 +443,7 @@ class Scheduler(BatchScheduler):
         t0 = time.perf_counter()
         ids = self.executor.run(plan)
         # tokens computed (prefill) or generated (decode: a verify row's every token kept)
-        n = sum(len(t) for t in tokens) if kind == PREFILL else sum(len(x) if isinstance(x, tuple) else 1 for x in ids)
+        n = sum(len(t) for t in tokens) if kind == PREFILL else sum(len(kept_tokens(x)) for x in ids)
         self.timings.add_step(kind, time.perf_counter() - t0, n)
         if any(r.sampling.logprobs is not None or r.sampling.prompt_logprobs is not None for r in reqs):
             self._keep_logprobs(reqs, self.executor.take_logprobs())

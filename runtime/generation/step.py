@@ -150,9 +150,12 @@ class PageTables:
         out = []
         for b, table in enumerate(plan.tables):
             known = self.by_slot.get(plan.first + b, [])
-            kept = 0
-            while kept < min(len(known), len(table)) and known[kept] == table[kept]:
-                kept += 1
+            if table[:len(known)] == known:  # the usual case, compared in one go: the table only grew
+                kept = len(known)
+            else:
+                kept = 0
+                while kept < min(len(known), len(table)) and known[kept] == table[kept]:
+                    kept += 1
             out.append([len(known) - kept, *table[kept:]])
             self.by_slot[plan.first + b] = list(table)
         return out
