@@ -102,7 +102,7 @@ def test_page_boundaries_holes_and_shared_pages(q_dtype, pool_dtype, splits):
     _check(_paged(BOUNDARY_LENGTHS, 1, **SMALL, q_dtype=q_dtype, pool_dtype=pool_dtype), splits=splits)
 
 
-@pytest.mark.parametrize("n_q", [2, 5, 8])
+@pytest.mark.parametrize("n_q", [2, pytest.param(5, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)])
 def test_new_queries_are_causal_among_themselves(n_q):
     """Speculative verify: Q new queries, query j seeing positions < len − Q + j + 1; lengths around page
     boundaries, the shortest holding only the Q new positions."""
@@ -122,7 +122,7 @@ def test_queries_differ_only_in_what_they_see():
         assert_close(o[:, j:j + 1], one, TIGHT)
 
 
-@pytest.mark.parametrize("splits", [2, 7, 16])
+@pytest.mark.parametrize("splits", [2, 7, pytest.param(16, marks=pytest.mark.slow)])
 def test_more_splits_than_blocks(splits):
     """A split past a sequence's blocks is empty (max −1e30, sum 0) and weighs nothing in the merge; 16 splits of
     lengths ≤ 128 at 32 positions a block leave most of them empty."""

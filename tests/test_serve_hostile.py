@@ -26,7 +26,7 @@ BODY = {"model": "tiny", "prompt": "Hello", "max_tokens": 3000, "temperature": 0
 KEY = "hostile-test-key"
 
 
-@pytest.fixture(params=[None, KEY], ids=["open", "with-a-key"])
+@pytest.fixture(params=[None, pytest.param(KEY, marks=pytest.mark.slow)], ids=["open", "with-a-key"])
 def auth(request, monkeypatch) -> dict:
     """The hostile clients against an open server and against one behind an API key (set as K2TRT_API_KEY, which
     the server reads at start): the headers every request of the test sends."""

@@ -179,6 +179,7 @@ def test_kv_lora_rank_out_of_range_is_refused_before_writing(tmp_path, capsys, a
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_kv_lora_rank_applies_to_every_format():
     for fmt, (preset, _) in tiny_mod.FORMATS.items():
         cfg = tiny_mod.with_kv_lora_rank(K2Config.preset(preset), 512)
