@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 import argparse
 import os
+from pathlib import Path
 
 from k2trt.args import at_least, int_list
 from k2trt.hub import model_dir

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 import argparse
+from pathlib import Path
 
 from k2trt.config import BLOCK_KINDS, MOE_PART_KINDS
 from k2trt.runtime.tensorrt.profiles import add_profile_arguments

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 import argparse
+from pathlib import Path
 
 from k2trt.tools import doctor
 
