@@ -43,12 +43,14 @@ def activation_io(cfg: K2Config, kind: str, act: str) -> tuple[list, list]:
 
 
 def build_block_graph(cfg: K2Config, kind: str, act_dtype: str = "float32", activation_quant: int = 1,
-                      experts: int | None = None):
+                      experts: int | None = None, branches: bool = False):
     """The TensorRT-bound graph of one block kind (custom FP8 nodes for TensorRT's plugins), or of a MoE block's
-    part (config.MOE_PART_KINDS; `experts`: the routed experts of one expert-parallel rank, for moe_experts)."""
+    part (config.MOE_PART_KINDS; `experts`: the routed experts of one expert-parallel rank, for moe_experts).
+    branches: the shape branches of graphs/blocks.py as If nodes (the graph ONNX Runtime's form is lowered from);
+    without, their small form only (attention absorbed at every T), as TensorRT takes no control flow."""
     if kind not in BLOCK_KINDS + MOE_PART_KINDS:
         raise ValueError(f"unknown block kind {kind!r}; expected one of {BLOCK_KINDS + MOE_PART_KINDS}")
-    ops = OnnxOps(act_dtype, OPSET)
+    ops = OnnxOps(act_dtype, OPSET, branches)
     ins, outs = activation_io(cfg, kind, act_dtype)
     a = {name: ops.input(name, dt, shape) for name, dt, shape in ins}
     w = weight_inputs(ops, cfg, kind, experts)

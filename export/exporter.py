@@ -28,7 +28,9 @@ def export_kind(cfg: K2Config, out: Path, kind: str, act_dtype: str, activation_
     trt_model = split_moe(recorded, expert_ranges)
     check_onnx(trt_model, f"trt/{kind}")
     check_trt_operators(trt_model, f"trt/{kind}")
-    ort_model = lower_for_ort(recorded, act_dtype)
+    # ONNX Runtime's form branches on the step's shape (attention decompressed for a prefill chunk)
+    ort_model = lower_for_ort(build_block_graph(cfg, kind, act_dtype, activation_quant, stop - first, branches=True),
+                              act_dtype)
     check_onnx(ort_model, f"ort/{kind}")
     acts = {name for name, _, _ in activation_io(cfg, kind, act_dtype)[0]}
     entries = {

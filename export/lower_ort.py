@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from k2trt.export.onnx_ops import dims, elem, set_weight_prep, value_types, weight_prep
+from k2trt.export.onnx_ops import dims, elem, names_read, set_weight_prep, value_types, weight_prep
 from k2trt.graphs import contracts
 from k2trt.graphs.weight_prep import (DEQUANT, DEQUANT_T, INT4_DEQUANT, MOE_FC1_INTERLEAVED,
                                      MOE_FC1_INTERLEAVED_INT4, Preparation)
@@ -141,7 +141,7 @@ class _Lowering:
 
     def finish(self) -> onnx.ModelProto:
         m, g = self.model, self.model.graph
-        used = {i for n in self.nodes for i in n.input}
+        used = names_read(self.nodes)
         kept = [i for i in g.input if i.name in used]
         del g.input[:]
         g.input.extend(kept + list(self.new_inputs.values()))

@@ -48,6 +48,18 @@ def weight_prep(model: onnx.ModelProto) -> dict:
     return {}
 
 
+def names_read(nodes) -> set[str]:
+    """Every value name the nodes read, their subgraphs' (If branches) included: a branch reads the outer
+    graph's values by name."""
+    used = set()
+    for n in nodes:
+        used.update(n.input)
+        for a in n.attribute:
+            for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                used |= names_read(g.node)
+    return used
+
+
 def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto.Tensor]:
     """The tensor type of every graph input, intermediate value and output, after ONNX shape inference."""
     g = onnx.shape_inference.infer_shapes(model).graph
@@ -96,9 +108,10 @@ class Sym:
 
 
 class OnnxOps:
-    def __init__(self, act_dtype: str = "float32", opset: int = 21):
+    def __init__(self, act_dtype: str = "float32", opset: int = 21, branches: bool = True):
         self.act_dtype = act_dtype
         self.opset = opset
+        self.branches = branches  # choose_by_dim as an If (ONNX Runtime); False: its small form only (TensorRT)
         self.nodes: list[onnx.NodeProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
@@ -160,7 +173,7 @@ class OnnxOps:
         return sym
 
     def model(self, name: str, ir_version: int = 10) -> onnx.ModelProto:
-        used = {i for n in self.nodes for i in n.input}
+        used = names_read(self.nodes)
         inputs = [i for i in self.inputs if i.name in used]  # e.g. an FP8 weight only its prepared form reads
         graph = helper.make_graph(self.nodes, name, inputs, self.outputs, self.initializers,
                                   value_info=self.value_info)
@@ -194,6 +207,28 @@ class OnnxOps:
 
     def concat(self, xs, axis):
         return self.node("Concat", list(xs), xs[0].dtype, axis=axis)
+
+    def at_least(self, a, b):
+        return self.node("GreaterOrEqual", [a, b], "bool")
+
+    def choose(self, cond, then, otherwise):
+        """An If on cond() (a one-element bool computed from shapes), its branches recorded from then() and
+        otherwise() (their nodes read the outer graph's values by name; their constants join the outer graph's
+        initializers). Without branches only otherwise() is recorded: TensorRT-bound graphs hold no control flow
+        (export/checks.py)."""
+        if not self.branches:
+            return otherwise()
+        graphs, result = [], None
+        for hint, record in (("then", then), ("else", otherwise)):
+            outer, self.nodes = self.nodes, []
+            result = record()
+            body, self.nodes = self.nodes, outer
+            out = self._fresh(f"{hint}_out")
+            body.append(helper.make_node("Identity", [result.name], [out], name=self._fresh("Identity")))
+            graphs.append(helper.make_graph(body, self._fresh(hint), [],
+                                            [helper.make_tensor_value_info(out, elem(result.dtype), None)]))
+        flag = self.node("Squeeze", [cond()], "bool")  # If takes a single element; a Shape slice gives [1]
+        return self.node("If", [flag], result.dtype, then_branch=graphs[0], else_branch=graphs[1])
 
     # ---- elementwise / reductions -------------------------------------------------------------------
     def cast(self, x, dtype):

@@ -8,8 +8,10 @@ record the ONNX graphs. Each follows modeling_deepseek.py (see docs/ARCHITECTURE
   head(hidden)                                      -> logits [B, T, V] float32
   moe_front / local_experts / moe_combine           -> a MoE block split at the dispatch (expert parallelism)
 
-`w` maps weight names (checkpoint suffixes, graphs/weights.py) to tensors. Attention is the absorbed form over
-the latent cache: the past is read in place and never copied or concatenated with the new entries. Each linear is
+`w` maps weight names (checkpoint suffixes, graphs/weights.py) to tensors. Attention reads the latent cache in
+place (the past is never copied or concatenated with the new entries) and runs absorbed for a few new positions,
+decompressed for many (`attention`, `decompress_from`): a branch on a shape, which the torch reference takes in
+Python and the ONNX Runtime graphs as an If; the TensorRT-bound graphs hold the absorbed form for now. Each linear is
 computed in the format the checkpoint stores it in (graphs/weights.role_format): FP8 blocks as the Fp8BlockLinear
 node, bf16 as a plain MatMul; the routed experts are one MoeFp8 or MoeInt4 node.
 """
@@ -62,9 +64,33 @@ def kv_b_weight(ops, cfg: K2Config, kind: str, w):
     return w["self_attn.kv_b_proj.weight"]
 
 
+def decompress_costs(cfg: K2Config) -> tuple[int, int]:
+    """(saved, spent) multiply-adds of the decompressed form against the absorbed one, per head: `saved` per new
+    query and context position (the absorbed form scores lora + rope values and attends over the whole latent row,
+    the decompressed one scores nope + rope and attends over v), `spent` per past position (its latent through
+    kv_b into key and value: lora · (nope + v); the new positions' own decompression is paid back by the absorbed
+    form's query and output projections, which cost as much)."""
+    absorbed = cfg.kv_lora_rank + cfg.qk_rope_head_dim + cfg.latent_dim
+    decompressed = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
+    return absorbed - decompressed, cfg.kv_lora_rank * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+
+
+def decompress_from(cfg: K2Config) -> int:
+    """The fewest new positions T per step that attend decompressed, over any past P: nope + v (256 for K2, 128 for
+    the tiny). From there its keys and values, heads · (P + T) · (nope + v) values, are no more than its scores,
+    heads · T · (P + T), so a step's working memory stays what its mask budget allows (runtime/generation/
+    limits.py); and it computes less, T · (P + T) · saved ≥ P · spent, from spent / saved on (158 for K2), which
+    is below nope + v for every MLA shape (nope + v < lora + rope). So prefill chunks run decompressed and decode
+    (T = 1; up to 9 verifying drafts) absorbed. docs/PERFORMANCE.md has ONNX Runtime's measured crossing."""
+    saved, spent = decompress_costs(cfg)
+    return max(cfg.qk_nope_head_dim + cfg.v_head_dim, -(-spent // saved))
+
+
 def attention(ops, cfg: K2Config, kind: str, x, rope_cos, rope_sin, mask, latent_cache, w, activation_quant: int):
-    """MLA, absorbed form. x [B, T, d] (normalized), latent_cache [B, P, kv_lora + rope] (P slots, read in
-    place), mask [B, T, P + T] -> (out [B, T, d], latent_new [B, T, kv_lora + rope])."""
+    """MLA. x [B, T, d] (normalized), latent_cache [B, P, kv_lora + rope] (P slots, read in place), mask
+    [B, T, P + T] -> (out [B, T, d], latent_new [B, T, kv_lora + rope]). The cache holds latents only; the
+    attention runs absorbed for a few new positions over a cache (decode, speculative verify) and decompressed for
+    many (prefill; `decompress_from`), as vLLM, SGLang and TensorRT-LLM choose."""
     h, nope, rope, vdim, lora = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                                  cfg.v_head_dim, cfg.kv_lora_rank)
     eps = cfg.rms_norm_eps
@@ -91,26 +117,67 @@ def attention(ops, cfg: K2Config, kind: str, x, rope_cos, rope_sin, mask, latent
     k_pe = apply_rope(ops, ops.unsqueeze(k_pe, 1), cos, sin, rope)  # [B, 1, T, rope]
     latent_new = ops.concat([c, ops.reshape(k_pe, [0, -1, rope])], axis=-1)  # [B, T, 576]
 
-    # absorb kv_b: W_uk turns q_nope into latent space, W_uv turns the attended latent into values
-    wkv = ops.reshape(kv_b_weight(ops, cfg, kind, w), [h, nope + vdim, lora])
-    w_uk, w_uv = ops.split(wkv, [nope, vdim], axis=1)  # [H, nope, L], [H, v, L]
-    q_full = ops.concat([ops.matmul(q_nope, w_uk), q_pe], axis=-1)  # [B, H, T, L + rope]
+    wkv = ops.reshape(kv_b_weight(ops, cfg, kind, w), [h, nope + vdim, lora])  # per head: W_uk rows, then W_uv
+    parts = (q_nope, q_pe, latent_cache, latent_new, mask, wkv)
 
-    # scores against the past slots and the new entries, kept apart so the past is never copied
+    def decompress():  # on the step's shape: T, its new positions
+        t = ops.dim(latent_new, 1)
+        return ops.at_least(t, ops.const_like(decompress_from(cfg), t))
+
+    o = ops.choose(decompress, lambda: attend_decompressed(ops, cfg, *parts),
+                   lambda: attend_absorbed(ops, cfg, *parts))  # [B, H, T, v]
+    o = ops.reshape(ops.transpose(o, [0, 2, 1, 3]), [0, 0, h * vdim])
+    return lin(o, "self_attn.o_proj"), latent_new
+
+
+def _probs(ops, cfg: K2Config, s_past, s_new, mask, latent_cache):
+    """Scores against the past slots and the new entries (kept apart, so the past is never copied) -> the
+    probabilities of each part, softmax in float32 over both, rounded to the activation dtype."""
+    scores = ops.cast(ops.concat([s_past, s_new], axis=-1), F32) * cfg.softmax_scale + ops.unsqueeze(mask, 1)
+    probs = ops.cast(ops.softmax(scores, axis=-1), "act")
+    return ops.split_at(probs, ops.dim(latent_cache, 1), axis=-1)
+
+
+def attend_absorbed(ops, cfg: K2Config, q_nope, q_pe, latent_cache, latent_new, mask, wkv):
+    """Attention in latent space: W_uk turns q_nope into a latent query, scored against the cached rows as they
+    are; the attended latent goes through W_uv. q_nope [B, H, T, nope], q_pe [B, H, T, rope] (rotated), wkv
+    [H, nope + v, lora] -> [B, H, T, v]."""
+    lora, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    w_uk, w_uv = ops.split(wkv, [cfg.qk_nope_head_dim, cfg.v_head_dim], axis=1)  # [H, nope, L], [H, v, L]
+    q_full = ops.concat([ops.matmul(q_nope, w_uk), q_pe], axis=-1)  # [B, H, T, L + rope]
     past = ops.unsqueeze(latent_cache, 1)  # [B, 1, P, 576]
     new = ops.unsqueeze(latent_new, 1)  # [B, 1, T, 576]
     s_past = ops.matmul(q_full, ops.transpose(past, [0, 1, 3, 2]))  # [B, H, T, P]
     s_new = ops.matmul(q_full, ops.transpose(new, [0, 1, 3, 2]))  # [B, H, T, T]
-    scores = ops.cast(ops.concat([s_past, s_new], axis=-1), F32) * cfg.softmax_scale + ops.unsqueeze(mask, 1)
-    probs = ops.cast(ops.softmax(scores, axis=-1), "act")
-    p_past, p_new = ops.split_at(probs, ops.dim(latent_cache, 1), axis=-1)
-
+    p_past, p_new = _probs(ops, cfg, s_past, s_new, mask, latent_cache)
     # attend over the full 576-wide entries (no slice of the cache), then keep the latent part
     o_lat = ops.matmul(p_past, past) + ops.matmul(p_new, new)  # [B, H, T, 576]
     o_lat, _ = ops.split(o_lat, [lora, rope], axis=-1)
-    o = ops.matmul(o_lat, ops.transpose(w_uv, [0, 2, 1]))  # [B, H, T, v]
-    o = ops.reshape(ops.transpose(o, [0, 2, 1, 3]), [0, 0, h * vdim])
-    return lin(o, "self_attn.o_proj"), latent_new
+    return ops.matmul(o_lat, ops.transpose(w_uv, [0, 2, 1]))  # [B, H, T, v]
+
+
+def attend_decompressed(ops, cfg: K2Config, q_nope, q_pe, latent_cache, latent_new, mask, wkv):
+    """Ordinary attention per head: every context position's latent through kv_b into its key (nope, beside the
+    shared rope key) and value, as modeling_deepseek.py computes it. Same arguments and result as
+    attend_absorbed. The keys are made transposed (W_uk · cᵀ), so the only tensors of heads × context size are
+    the keys and values themselves."""
+    rope = cfg.qk_rope_head_dim
+    w_uk, w_uv = ops.split(wkv, [cfg.qk_nope_head_dim, cfg.v_head_dim], axis=1)  # [H, nope, L], [H, v, L]
+    w_uv_t = ops.transpose(w_uv, [0, 2, 1])  # [H, L, v]
+
+    def keys_values(entries):  # [B, S, 576] -> k_nopeᵀ [B, H, nope, S], k_peᵀ [B, 1, rope, S], v [B, H, S, v]
+        c, k_pe = ops.split(entries, [cfg.kv_lora_rank, rope], axis=-1)
+        c = ops.unsqueeze(c, 1)  # [B, 1, S, L]
+        k_t = ops.matmul(w_uk, ops.transpose(c, [0, 1, 3, 2]))
+        return k_t, ops.transpose(ops.unsqueeze(k_pe, 1), [0, 1, 3, 2]), ops.matmul(c, w_uv_t)
+
+    def scores(k_t, pe_t):  # q · [k_nope, k_pe], the two parts summed in float32
+        return ops.cast(ops.matmul(q_nope, k_t), F32) + ops.cast(ops.matmul(q_pe, pe_t), F32)
+
+    k_past, pe_past, v_past = keys_values(latent_cache)
+    k_new, pe_new, v_new = keys_values(latent_new)
+    p_past, p_new = _probs(ops, cfg, scores(k_past, pe_past), scores(k_new, pe_new), mask, latent_cache)
+    return ops.matmul(p_past, v_past) + ops.matmul(p_new, v_new)  # [B, H, T, v]
 
 
 def swiglu(ops, cfg: K2Config, kind: str, x, w, prefix: str, activation_quant: int):

@@ -50,6 +50,17 @@ class TorchOps:
     def concat(self, xs, axis):
         return torch.cat(xs, dim=axis)
 
+    def at_least(self, a, b):
+        return a >= b
+
+    def const_like(self, value, like):
+        return value
+
+    def choose(self, cond, then, otherwise):
+        """then() where cond() (computed from shapes: dim, const_like, at_least) holds, else otherwise(): both
+        callables give the same result, each its own way of computing it."""
+        return then() if cond() else otherwise()
+
     # ---- elementwise / reductions ------------------------------------------------------------------
     def cast(self, x, dtype):
         return x.to(self._dtype(dtype))

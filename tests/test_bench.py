@@ -8,7 +8,9 @@ import torch
 
 from k2trt.checkpoint import Checkpoint
 from k2trt.cli import main
+from k2trt.config import K2Config
 from k2trt.errors import MissingDependency
+from k2trt.graphs import blocks
 from k2trt.graphs.reference import ReferenceModel, greedy_generate
 from k2trt.tools import hf_baseline
 
@@ -17,14 +19,16 @@ transformers = pytest.importorskip("transformers", reason="the bench extra (pip 
 BENCH = ["--prompt-len", "8", "--batch", "2", "--new-tokens", "3", "--repeat", "1", "--json"]
 
 
-def test_transformers_on_our_checkpoint_picks_the_reference_tokens(tiny_ckpt):
+# a short prompt (the reference attends absorbed throughout) and one past the switch point (its prefill decompressed)
+@pytest.mark.parametrize("length", [12, blocks.decompress_from(K2Config.preset("tiny")) + 10])
+def test_transformers_on_our_checkpoint_picks_the_reference_tokens(tiny_ckpt, length):
     ckpt = Checkpoint.open(tiny_ckpt)
     model = hf_baseline.build_hf_model(ckpt)
-    prompts = torch.randint(0, 1792, (2, 12), generator=torch.Generator().manual_seed(3)).tolist()
+    prompts = torch.randint(0, 1792, (2, length), generator=torch.Generator().manual_seed(3)).tolist()
     tokens, timings = hf_baseline.hf_generate(model, prompts, 12)
     ref = ReferenceModel(ckpt)
     assert tokens == [greedy_generate(ref, p, 12)[0] for p in prompts]
-    assert timings.prefill_tokens == 24 and timings.decode_tokens == 22 and timings.prefill_s > 0
+    assert timings.prefill_tokens == 2 * length and timings.decode_tokens == 22 and timings.prefill_s > 0
 
 
 def test_experts_are_stacked_as_transformers_names_them():

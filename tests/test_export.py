@@ -2,6 +2,7 @@
 max abs error <= 1e-4 x max |ref| in float32), chained, at K2 size, and the checks every export runs."""
 
 import itertools
+import json
 
 import numpy as np
 import onnx
@@ -18,7 +19,7 @@ from k2trt.export_manifest import read_manifest
 from k2trt.export.onnx_ops import elem as onnx_elem, value_types
 from k2trt.export.split_moe import split_moe
 from k2trt.graphs.fp8 import quantize_weight as ref_quantize
-from k2trt.graphs import contracts
+from k2trt.graphs import blocks, contracts
 from k2trt.graphs import weights as W
 from k2trt.tiny.synthetic import RandomWeights
 from k2trt.graphs.mask import attention_mask
@@ -54,7 +55,8 @@ def close(got, ref):
     return (got - ref).abs().max().item() <= TOL * ref.abs().max().item()
 
 
-@pytest.mark.parametrize("b, t, p", list(itertools.product([1, 3], [1, 7], [0, 5])))
+# T: decode, a short chunk (attention absorbed), a prefill chunk (decompressed: graphs/blocks.decompress_from)
+@pytest.mark.parametrize("b, t, p", list(itertools.product([1, 3], [1, 7, blocks.decompress_from(TINY)], [0, 5])))
 def test_blocks_on_onnxruntime_match_reference(pair, b, t, p):
     ref, ort = pair
     g = torch.Generator().manual_seed(100 * b + 10 * t + p)
@@ -70,6 +72,62 @@ def test_blocks_on_onnxruntime_match_reference(pair, b, t, p):
         h_ref, new_ref = ref.block(layer, x, cos, sin, mask, cache)
         h, new = ort.block(layer, x, cos, sin, mask, cache)
         assert close(h, h_ref) and close(new, new_ref), TINY.layer_kind(layer)
+
+
+def _op_types(nodes) -> list[str]:
+    return [n.op_type for n in nodes]
+
+
+def test_onnxruntime_form_branches_as_the_reference_and_tensorrt_form_stays_absorbed():
+    """The ONNX Runtime graph's one If, on T >= blocks.decompress_from (T: the new entries' positions), holds the
+    decompressed form when true and the absorbed form when false, recorded from graphs/blocks.py; the TensorRT graph
+    holds no If and the absorbed form inline. (Which form ran is invisible in float32 results: the two agree to
+    rounding.)"""
+    from k2trt.export.onnx_ops import OnnxOps
+
+    ort = build_block_graph(TINY, "dense_block", branches=True)
+    (node,) = [n for n in ort.graph.node if n.op_type == "If"]
+    branches = {a.name: a.g for a in node.attribute}
+
+    def recorded(form) -> list[str]:
+        ops = OnnxOps()
+        names = ("q_nope", "q_pe", "latent_cache", "latent_new", "attention_mask", "wkv")
+        form(ops, TINY, *(ops.input(n, "float32", []) for n in names))
+        return _op_types(ops.nodes)
+
+    assert _op_types(branches["then_branch"].node)[:-1] == recorded(blocks.attend_decompressed)
+    assert _op_types(branches["else_branch"].node)[:-1] == recorded(blocks.attend_absorbed)
+
+    # the condition: the new entries' T (the value the graph outputs as latent_new) at least decompress_from
+    made = {o: n for n in ort.graph.node for o in n.output}
+    consts = {i.name: onnx.numpy_helper.to_array(i) for i in ort.graph.initializer}
+    squeeze = made[node.input[0]]
+    compare = made[squeeze.input[0]]
+    assert (squeeze.op_type, compare.op_type) == ("Squeeze", "GreaterOrEqual")
+    shape = made[compare.input[0]]
+    attrs = {a.name: a.i for a in shape.attribute}
+    latent_new = made["latent_new"].input[0]
+    assert shape.op_type == "Shape" and shape.input[0] == latent_new and attrs == {"start": 1, "end": 2}
+    assert int(consts[compare.input[1]]) == blocks.decompress_from(TINY)
+
+    trt = build_block_graph(TINY, "dense_block")
+    assert "If" not in _op_types(trt.graph.node) and "GreaterOrEqual" not in _op_types(trt.graph.node)
+
+
+def test_attention_bench_times_both_forms_and_finds_the_crossing(capsys):
+    """The bench's two graphs are the block's two forms and agree; its crossing is read off its rows (no timing
+    is asserted: the rows' ratios are whatever this machine measures)."""
+    from k2trt.tools import attention_bench
+
+    assert attention_bench.main(["--config", "tiny", "--heads", "2", "--tokens", "1", "90", "--past", "0", "64",
+                                 "--repeat", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [(r["past"], r["new"]) for r in out["rows"]] == [(0, 1), (0, 90), (64, 1), (64, 90)]
+    assert all(r["rel_err"] < 1e-5 and r["absorbed_ms"] > 0 and r["decompressed_ms"] > 0 for r in out["rows"])
+    rows = [dict(r, ratio=ratio) for r, ratio in zip(out["rows"], [0.5, 0.9, 3.0, 0.8])]
+    assert attention_bench.crossings(rows) == {0: 1, 64: 90}
+    assert attention_bench.crossings([dict(r, ratio=1.5) for r in rows]) == {0: None, 64: None}
+    assert "the graphs switch at T = " in attention_bench.table("tiny", TINY, rows)
 
 
 def test_embedding_and_head_match_reference(pair):

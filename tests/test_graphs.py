@@ -14,7 +14,7 @@ from k2trt.graphs import blocks
 from k2trt.graphs.fp8 import (PER_TOKEN_GROUP, WEIGHT_DEQUANT, dequant_weight, fp8_block_linear,
                               quantize_activation, quantize_weight)
 from k2trt.tiny.synthetic import RandomWeights
-from k2trt.graphs.mask import simple_mask
+from k2trt.graphs.mask import attention_mask, simple_mask
 from k2trt.graphs.moe_ref import expert_swiglu, moe_fp8_reference
 from k2trt.graphs.ops import TorchOps
 from k2trt.graphs.reference import ReferenceModel, attention_expanded, greedy_generate, hf_apply_rotary
@@ -199,9 +199,81 @@ def test_absorbed_attention_equals_expanded(model):
     assert rel_err(absorbed, expanded) < 1e-5
 
 
+@pytest.mark.parametrize("cfg", [TINY, K2], ids=["tiny", "k2"])
+def test_decompressed_attention_equals_absorbed(cfg):
+    """The two forms of graphs/blocks.attention on the same inputs, at the model's own widths (K2: 64 heads,
+    512 + 64 latent, v 128): ragged past (slots a sequence does not hold), padding queries (rows with nothing
+    real after them), a past of several chunks."""
+    g = torch.Generator().manual_seed(9)
+    b, t, p, h = 3, 5, 37, cfg.num_attention_heads
+    q_nope = torch.randn(b, h, t, cfg.qk_nope_head_dim, generator=g)
+    q_pe = torch.randn(b, h, t, cfg.qk_rope_head_dim, generator=g)
+    cache = torch.randn(b, p, cfg.latent_dim, generator=g)
+    new = torch.randn(b, t, cfg.latent_dim, generator=g)
+    wkv = torch.randn(h, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank, generator=g) / cfg.kv_lora_rank ** 0.5
+    q_pos = torch.arange(p, p + t).expand(b, t)
+    k_pos = torch.arange(p + t).expand(b, p + t)
+    valid = (k_pos >= 4 * torch.arange(b).unsqueeze(1)) & (k_pos < p + t - torch.arange(b).unsqueeze(1))
+    mask = attention_mask(q_pos, k_pos, valid)
+    absorbed = blocks.attend_absorbed(OPS, cfg, q_nope, q_pe, cache, new, mask, wkv)
+    decompressed = blocks.attend_decompressed(OPS, cfg, q_nope, q_pe, cache, new, mask, wkv)
+    assert absorbed.shape == (b, h, t, cfg.v_head_dim)
+    assert rel_err(decompressed, absorbed) < 1e-5
+
+
+def test_switch_point_follows_the_memory_and_the_multiply_adds():
+    """K2: decompressed costs 256 · 512 per past position and head and saves 832 per query and position, so it
+    computes less from 158 new positions at any past; it holds keys and values of 256 per context position and
+    head, no more than its scores from T = 256. So from 256 new positions; below that both rules point the same way
+    only where memory is the stricter (for every MLA shape: nope + v < lora + rope)."""
+    k2_saved, k2_spent = blocks.decompress_costs(K2)
+    assert (k2_saved, k2_spent) == (1152 - 320, 512 * 256) and -(-k2_spent // k2_saved) == 158
+    assert blocks.decompress_from(K2) == 256 and blocks.decompress_from(TINY) == 128
+    for cfg in (K2, TINY, dataclasses.replace(TINY, qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=512)):
+        saved, spent = blocks.decompress_costs(cfg)
+        t = blocks.decompress_from(cfg)
+        assert t == cfg.qk_nope_head_dim + cfg.v_head_dim and all(t * (p + t) * saved >= p * spent
+                                                                 for p in (0, 1, 10 ** 3, 10 ** 9))
+
+
+def test_attention_runs_decompressed_from_the_switch_point(model, monkeypatch):
+    """The reference takes the form decompress_from names for the step's new positions, whatever the past (the forms' results agree: test_decompressed_attention_equals_absorbed)."""
+    ran = []
+
+    def spy(name):
+        def form(ops, cfg, q_nope, *rest):
+            ran.append(name)
+            return torch.zeros(*q_nope.shape[:3], cfg.v_head_dim)
+        return form
+
+    for name in ("attend_absorbed", "attend_decompressed"):
+        monkeypatch.setattr(blocks, name, spy(name))
+    switch = blocks.decompress_from(TINY)
+    w = model.layer_weights(0)
+    for t, p in [(1, 50), (1, 0), (9, 300), (switch - 1, 0), (switch, 10 ** 5), (switch, 20), (200, 60)]:
+        x = torch.randn(1, t, TINY.hidden_size)
+        cos, sin = rope_tables(TINY, torch.arange(p, p + t).unsqueeze(0))
+        ran.clear()
+        blocks.attention(OPS, TINY, "dense_block", x, cos, sin, simple_mask(1, p, t),
+                         torch.zeros(1, p, TINY.latent_dim), w, WEIGHT_DEQUANT)
+        want = "attend_decompressed" if t >= switch else "attend_absorbed"
+        assert ran == [want], (t, p)
+
+
 def test_decoding_with_cache_equals_full_forward(model):
     prompt = [3, 14, 15, 92, 65, 35]
     new, first = greedy_generate(model, prompt, 6)
+    _decodes_as_full_forward(model, prompt, new, first)
+
+
+def test_long_prompt_decompressed_then_decoding_absorbed_equals_full_forward(model):
+    """A prompt past the switch point: prefill decompressed, then decode absorbed over its cache."""
+    prompt = torch.randint(0, 1792, (blocks.decompress_from(TINY) + 9,), generator=torch.Generator().manual_seed(2))
+    new, first = greedy_generate(model, prompt.tolist(), 4)
+    _decodes_as_full_forward(model, prompt.tolist(), new, first)
+
+
+def _decodes_as_full_forward(model, prompt, new, first):
     full = model.forward_full(torch.tensor([prompt + new]))
     n = len(prompt)
     assert full[0, n - 1:-1].argmax(-1).tolist() == new  # each cached step chose what the full pass chooses
