@@ -1,4 +1,5 @@
-"""Paged absorbed-MLA decode attention in plain torch, dense: the reference of runtime/kernels/mla_decode.py.
+"""Paged MLA attention in plain torch, dense: the references of runtime/kernels/mla_decode.py (absorbed, below)
+and mla_prefill.py (decompressed, paged_mla_prefill_reference).
 
 The attention graphs/blocks.attention computes (absorbed form), with its cache in pages as
 runtime/cache/pools.PagedLatentCache holds it: per layer a pool [pages · page_tokens, latent + rope] whose row is a
@@ -43,4 +44,35 @@ def paged_mla_decode_reference(q: torch.Tensor, pool: torch.Tensor, page_tables:
         scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query with nothing visible: 0
         out[i] = torch.einsum("qhn,nd->qhd", probs, kv[:, :latent_dim])
+    return out.to(q.dtype)
+
+
+def paged_mla_prefill_reference(q: torch.Tensor, pool: torch.Tensor, page_tables: torch.Tensor,
+                                lengths: torch.Tensor, n_new: torch.Tensor, wkv: torch.Tensor,
+                                softmax_scale: float, page_tokens: int, v_head_dim: int,
+                                kv_scale: torch.Tensor | float | None = None,
+                                latent_dim: int = 512) -> torch.Tensor:
+    """The decompressed form (graphs/blocks.attend_decompressed) over a paged context, dense: the reference of
+    runtime/kernels/mla_prefill.py. q [B, T, H, nope + rope] (q_pe rotated), sequence b's first n_new[b] queries
+    real and at its last n_new[b] positions (lengths count them); wkv [H · (nope + v), latent] (kv_b) -> o [B, T, H,
+    v] in q's dtype, 0 for padding queries. Each context row's latent goes through wkv into its keys' nope part and
+    its value, kept in q's dtype (as the activation-dtype graphs and the kernel keep them); the rest in fp32."""
+    b, n_q, heads, qd = q.shape
+    rope = pool.shape[-1] - latent_dim
+    nope = qd - rope
+    kv_all = pool.float()
+    if pool.dtype == torch.float8_e4m3fn:
+        kv_all = kv_all * torch.as_tensor(kv_scale, dtype=torch.float32, device=pool.device)
+    out = torch.zeros(b, n_q, heads, v_head_dim, dtype=torch.float32, device=q.device)
+    for i in range(b):
+        n, t = int(lengths[i]), int(n_new[i])
+        if n == 0 or t == 0:
+            continue
+        rows = kv_all[paged_rows(page_tables[i], n, page_tokens)]  # [n, latent + rope]
+        kv = (rows[:, :latent_dim] @ wkv.float().T).to(q.dtype).float().view(n, heads, nope + v_head_dim)
+        k = torch.cat([kv[..., :nope], rows[:, None, latent_dim:].expand(n, heads, rope)], dim=-1)  # [n, H, 192]
+        scores = torch.einsum("qhd,nhd->qhn", q[i, :t].float(), k) * softmax_scale  # [t, H, n]
+        visible = torch.arange(n)[None, :] <= (n - t + torch.arange(t))[:, None]  # [t, n]
+        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+        out[i, :t] = torch.einsum("qhn,nhd->qhd", torch.softmax(scores, dim=-1), kv[..., nope:])
     return out.to(q.dtype)
