@@ -1,4 +1,5 @@
-"""bench-serve's prefix scenarios (k2trt/tools/serve_scenarios.py): the prompts they send, and their tables."""
+"""bench-serve's prompts (the levels' in k2trt/tools/bench_serve.py, the prefix scenarios' in
+k2trt/tools/serve_scenarios.py) and the scenarios' tables."""
 
 import json
 import random
@@ -7,7 +8,23 @@ import sys
 
 import pytest
 
+from k2trt.tools.bench_serve import bodies, chat_bodies
 from k2trt.tools.serve_scenarios import _control
+
+
+def test_each_level_and_seed_sends_prompts_no_earlier_request_sent():
+    """A cold prompt must be cold: the warm-up (batch 0), each level and each seed draw their own prompts, so a
+    server's prefix cache cannot serve a later level from an earlier one; the same seed and level repeat exactly."""
+    def firsts(seed, batch):
+        return [tuple(b["prompt"][:16]) for b in bodies("m", 4, 64, 8, 1000, seed, batch)]
+
+    drawn = [firsts(seed, batch) for seed in (0, 1) for batch in (0, 1, 2)]
+    flat = [p for level in drawn for p in level]
+    assert len(set(flat)) == len(flat)
+    assert firsts(0, 1) == firsts(0, 1)
+    chats = [b["messages"][0]["content"] for batch in (1, 2)
+             for b in chat_bodies(bodies("m", 4, 64, 8, 1000, 0, batch), False)]
+    assert len(set(chats)) == len(chats)
 
 
 def test_a_control_is_as_long_and_shares_no_prefix():

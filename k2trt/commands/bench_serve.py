@@ -22,6 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int_list(1), default=[1, 4, 16],
                    help="comma-separated concurrency levels (default 1,4,16)")
     p.add_argument("--requests", type=at_least(1), default=32, help="requests per level (default 32)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="draws the prompts: each level and the warm-up get their own (default 0); another seed sends "
+                        "prompts a server has not seen in an earlier run")
     p.add_argument("--prompt-len", type=at_least(1), default=64, help="prompt tokens (default 64)")
     p.add_argument("--max-tokens", type=at_least(2), default=32,
                    help="tokens generated per request (default 32; at least 2, for an inter-token latency)")

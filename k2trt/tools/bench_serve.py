@@ -165,25 +165,25 @@ def serve_args(args, max_batch: int) -> list[str]:
             "--max-queue", str(10 * max_batch)]
 
 
-def bodies(model: str, n: int, prompt_len: int, max_tokens: int, vocab: int) -> list[dict]:
+def bodies(model: str, n: int, prompt_len: int, max_tokens: int, vocab: int, seed: int = 0,
+           batch: int = 0) -> list[dict]:
+    """`n` random prompts of token ids. Each (seed, batch) draws its own, so the warm-up and every level send prompts
+    no earlier request sent: a server's prefix cache finds nothing and a "cold" prompt is cold."""
     import random
 
-    rng = random.Random(0)
+    rng = random.Random(f"{seed}:{batch}")
     return [{"model": model, "prompt": [rng.randrange(vocab) for _ in range(prompt_len)], "max_tokens": max_tokens,
              "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
             for _ in range(n)]
 
 
 def chat_bodies(plain: list[dict], structured: bool) -> list[dict]:
-    """The same requests over the chat API (each prompt's ids as one user message of their text), with the
-    grammar or not."""
-    import random
-
-    rng = random.Random(1)
+    """The same requests over the chat API (each prompt's ids as one user message of words drawn by those ids, so
+    fresh ids make fresh text), with the grammar or not."""
     words = ["tea", "river", "engine", "seven", "blue", "quiet", "graph", "token"]
     out = []
     for b in plain:
-        text = " ".join(rng.choice(words) for _ in range(len(b["prompt"])))
+        text = " ".join(words[i % len(words)] for i in b["prompt"])
         body = {k: v for k, v in b.items() if k != "prompt"} | {"messages": [{"role": "user", "content": text}]}
         out.append(body | ({"response_format": STRUCTURED} if structured else {}))
     return out
@@ -232,15 +232,17 @@ def run(args) -> int:
         vocab = _vocab(args) or 1000
         if args.scenario:
             return _print_scenario(args, run_scenario(url, model, vocab, args))
-        work = bodies(model, args.requests, args.prompt_len, args.max_tokens, vocab)
-        kinds = {"plain": work}
-        if args.structured:  # like with like: both over the chat API
-            kinds = {"plain": chat_bodies(work, False), "json_schema": chat_bodies(work, True)}
-        for kind_work in kinds.values():
-            asyncio.run(run_level(url, kind_work[:2], 1, headers=headers))  # warm-up
+        def kinds_of(batch: int, n: int) -> dict[str, list[dict]]:
+            work = bodies(model, n, args.prompt_len, args.max_tokens, vocab, args.seed, batch)
+            if args.structured:  # like with like: both over the chat API, the same prompts
+                return {"plain": chat_bodies(work, False), "json_schema": chat_bodies(work, True)}
+            return {"plain": work}
+
+        for kind_work in kinds_of(0, 2).values():
+            asyncio.run(run_level(url, kind_work, 1, headers=headers))  # warm-up
         levels = []
-        for c in levels_asked:
-            for kind, kind_work in kinds.items():
+        for i, c in enumerate(levels_asked, start=1):
+            for kind, kind_work in kinds_of(i, args.requests).items():
                 print(f"bench-serve: {kind}, concurrency {c}, {args.requests} requests ...", file=sys.stderr,
                       flush=True)
                 levels.append(asyncio.run(run_level(url, kind_work, c, kind, headers)))
