@@ -24,26 +24,36 @@ def paged_rows(table: torch.Tensor, length: int, page_tokens: int) -> torch.Tens
 def paged_mla_decode_reference(q: torch.Tensor, pool: torch.Tensor, page_tables: torch.Tensor,
                                lengths: torch.Tensor, softmax_scale: float,
                                page_tokens: int, kv_scale: torch.Tensor | float | None = None,
-                               latent_dim: int = 512) -> torch.Tensor:
+                               latent_dim: int = 512, new: torch.Tensor | None = None,
+                               n_new: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Q, H, latent + rope], pool [rows, latent + rope], page_tables [B, max_pages], lengths [B] (positions
     held, the Q new ones included), positions per page (runtime/cache/pages.PAGE_TOKENS) -> o [B, Q, H, latent]
-    in q's dtype. A query with no position to attend (a length of 0) gets 0."""
+    in q's dtype. A query with no position to attend (a length of 0) gets 0.
+    With `new` [B, Q, latent + rope]: the pool holds only the context (`lengths` of it) and sequence b's first
+    n_new[b] (default Q) rows of `new` follow it, as they are (no kv_scale); queries past n_new[b] get 0."""
     b, n_q, heads, _ = q.shape
     kv_all = pool.float()
     if pool.dtype == torch.float8_e4m3fn:
         kv_all = kv_all * torch.as_tensor(kv_scale, dtype=torch.float32, device=pool.device)
     out = torch.zeros(b, n_q, heads, latent_dim, dtype=torch.float32, device=q.device)
     for i in range(b):
-        n = int(lengths[i])
-        if n == 0:
+        ctx = int(lengths[i])
+        kv = kv_all[paged_rows(page_tables[i], ctx, page_tokens)]  # [ctx, latent + rope]
+        if new is None:
+            n, real = ctx, n_q
+            limit = n - n_q + torch.arange(n_q, device=q.device) + 1  # query j: positions < len - Q + j + 1
+        else:
+            real = n_q if n_new is None else int(n_new[i])
+            kv = torch.cat([kv, new[i, :real].float()])
+            n = ctx + real
+            limit = ctx + torch.arange(real, device=q.device) + 1
+        if n == 0 or real == 0:
             continue
-        kv = kv_all[paged_rows(page_tables[i], n, page_tokens)]  # [n, latent + rope]
-        scores = torch.einsum("qhd,nd->qhn", q[i].float(), kv) * softmax_scale  # [Q, H, n]
-        limit = n - n_q + torch.arange(n_q, device=q.device) + 1  # query j: positions < len - Q + j + 1
+        scores = torch.einsum("qhd,nd->qhn", q[i, :real].float(), kv) * softmax_scale  # [Q, H, n]
         visible = torch.arange(n, device=q.device)[None, :] < limit[:, None]  # [Q, n]
         scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query with nothing visible: 0
-        out[i] = torch.einsum("qhn,nd->qhd", probs, kv[:, :latent_dim])
+        out[i, :real] = torch.einsum("qhn,nd->qhd", probs, kv[:, :latent_dim])
     return out.to(q.dtype)
 
 
@@ -51,12 +61,14 @@ def paged_mla_prefill_reference(q: torch.Tensor, pool: torch.Tensor, page_tables
                                 lengths: torch.Tensor, n_new: torch.Tensor, wkv: torch.Tensor,
                                 softmax_scale: float, page_tokens: int, v_head_dim: int,
                                 kv_scale: torch.Tensor | float | None = None,
-                                latent_dim: int = 512) -> torch.Tensor:
+                                latent_dim: int = 512, new: torch.Tensor | None = None) -> torch.Tensor:
     """The decompressed form (graphs/blocks.attend_decompressed) over a paged context, dense: the reference of
     runtime/kernels/mla_prefill.py. q [B, T, H, nope + rope] (q_pe rotated), sequence b's first n_new[b] queries
     real and at its last n_new[b] positions (lengths count them); wkv [H · (nope + v), latent] (kv_b) -> o [B, T, H,
     v] in q's dtype, 0 for padding queries. Each context row's latent goes through wkv into its keys' nope part and
-    its value, kept in q's dtype (as the activation-dtype graphs and the kernel keep them); the rest in fp32."""
+    its value, kept in q's dtype (as the activation-dtype graphs and the kernel keep them); the rest in fp32.
+    With `new` [B, T, latent + rope]: the pool holds the context only (`lengths` of it) and sequence b's rows
+    new[b, :n_new[b]] follow it, as they are (no kv_scale)."""
     b, n_q, heads, qd = q.shape
     rope = pool.shape[-1] - latent_dim
     nope = qd - rope
@@ -66,9 +78,12 @@ def paged_mla_prefill_reference(q: torch.Tensor, pool: torch.Tensor, page_tables
     out = torch.zeros(b, n_q, heads, v_head_dim, dtype=torch.float32, device=q.device)
     for i in range(b):
         n, t = int(lengths[i]), int(n_new[i])
+        rows = kv_all[paged_rows(page_tables[i], n, page_tokens)]  # [n, latent + rope]
+        if new is not None:
+            rows = torch.cat([rows, new[i, :t].float()])
+            n += t
         if n == 0 or t == 0:
             continue
-        rows = kv_all[paged_rows(page_tables[i], n, page_tokens)]  # [n, latent + rope]
         kv = (rows[:, :latent_dim] @ wkv.float().T).to(q.dtype).float().view(n, heads, nope + v_head_dim)
         k = torch.cat([kv[..., :nope], rows[:, None, latent_dim:].expand(n, heads, rope)], dim=-1)  # [n, H, 192]
         scores = torch.einsum("qhd,nhd->qhn", q[i, :t].float(), k) * softmax_scale  # [t, H, n]

@@ -55,7 +55,7 @@ def _paged(lengths, n_q, heads, latent, rope, q_dtype, pool_dtype, seed=0, page_
         tables[share[1]][0] = tables[share[0]][0]  # a common full first page: the second's own is left unused
     pool = torch.full((total * page_tokens, d), float("nan"))
     for table, n in zip(tables, lengths):
-        rows = torch.tensor(table)[torch.arange(n) // page_tokens] * page_tokens + torch.arange(n) % page_tokens
+        rows = torch.tensor(table, dtype=torch.long)[torch.arange(n) // page_tokens] * page_tokens + torch.arange(n) % page_tokens
         pool[rows] = torch.randn(n, d, generator=gen)
     max_pages = max(need) + 1
     pads = [spare[0], 1 << 30, -7, spare[1]]
@@ -186,6 +186,49 @@ def test_split_count_follows_the_shapes():
     assert mla.num_splits(256, 4, 32_768, 32) == 1  # a full batch covers the GPU alone
     assert mla.math_dtype(torch.bfloat16, FP8) == torch.bfloat16
     assert mla.math_dtype(torch.bfloat16, torch.float32) == torch.float32
+
+
+# ---------------------------------------------------------------------------------------------- the step's rows dense
+
+def _check_new(case, new, n_new, **kwargs):
+    """The pool holds each sequence's context (`lengths`); the step's rows come dense in `new`, n_new[b] real."""
+    q, pool, tables, lengths, kv_scale = case
+    o = mla.mla_decode(q, pool, tables, lengths, SOFTMAX_SCALE, kv_scale, page_tokens=PAGE_TOKENS, new=new,
+                       n_new=n_new, **kwargs)
+    ref = paged_mla_decode_reference(q, pool, tables, lengths, SOFTMAX_SCALE, PAGE_TOKENS, kv_scale, new=new,
+                                     n_new=n_new)
+    assert not o.isnan().any(), "the kernel read a row no sequence holds"
+    for b, n in enumerate(n_new.tolist()):
+        assert torch.equal(o[b, n:], torch.zeros_like(o[b, n:])), "a padding query attended"
+    math = mla.math_dtype(q.dtype, pool.dtype)
+    c = pool[:, :ref.shape[-1]].float()
+    c_max = max(c[~c.isnan()].abs().max().item() * (1.0 if kv_scale is None else kv_scale.item()),
+                new[..., :ref.shape[-1]].float().abs().max().item())
+    assert_close(o, ref, TIGHT + PROB_ROUNDING[math] * c_max / max(ref.float().abs().max().item(), 1e-30))
+    return o
+
+
+@pytest.mark.parametrize("q_dtype,pool_dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_the_steps_rows_dense_beside_the_pool(q_dtype, pool_dtype, splits):
+    """How a block graph reads the pool in place: the context from the pool (around page boundaries, one sequence
+    with no context at all), the step's 4 rows — ragged, 4, 1, 0 and 3 of them real — from the step's tensor, causal
+    among themselves, exact in their own dtype beside an fp8 context."""
+    contexts = [63, 64, 0, 129, 1]
+    case = _paged(contexts, 4, **SMALL, q_dtype=q_dtype, pool_dtype=pool_dtype, seed=21)
+    gen = torch.Generator().manual_seed(22)
+    new = torch.randn(len(contexts), 4, 576, generator=gen).to(q_dtype)
+    _check_new(case, new, torch.tensor([4, 1, 4, 0, 3], dtype=torch.int32), splits=splits)
+
+
+def test_the_steps_rows_dense_equal_them_written_first():
+    """Reading the step's rows from its tensor equals writing them into the pool and reading everything there."""
+    q, pool, tables, lengths, _ = _paged([70, 129, 3], 3, **SMALL, q_dtype=torch.float32, pool_dtype=torch.float32,
+                                         seed=23)
+    written = mla.mla_decode(q, pool, tables, lengths, SOFTMAX_SCALE, splits=2, page_tokens=PAGE_TOKENS)
+    new = torch.stack([pool[paged_rows(tables[b], n, PAGE_TOKENS)[-3:]] for b, n in enumerate(lengths.tolist())])
+    dense = _check_new((q, pool, tables, lengths - 3, None), new, torch.full((3,), 3, dtype=torch.int32), splits=2)
+    assert_close(dense, written, TIGHT)
 
 
 # ---------------------------------------------------------------------------------------------- K2's shapes

@@ -49,12 +49,12 @@ def _case(lengths, n_new, heads, latent, rope, nope, v, q_dtype, pool_dtype, see
     return q, pool, tables, lens, torch.tensor(n_new, dtype=torch.int32), wkv, kv_scale
 
 
-def _check(case, v, page_tokens=PAGE_TOKENS, **kwargs):
+def _check(case, v, page_tokens=PAGE_TOKENS, new=None, **kwargs):
     q, pool, tables, lengths, n_new, wkv, kv_scale = case
     o = mla.mla_prefill(q, pool, tables, lengths, n_new, wkv, SOFTMAX_SCALE, kv_scale, page_tokens=page_tokens,
-                        v_head_dim=v, **kwargs)
+                        v_head_dim=v, new=new, **kwargs)
     ref = paged_mla_prefill_reference(q, pool, tables, lengths, n_new, wkv, SOFTMAX_SCALE, page_tokens, v,
-                                      kv_scale)
+                                      kv_scale, new=new)
     assert o.dtype == q.dtype and o.shape == ref.shape
     assert not o.isnan().any(), "the kernel read a row no sequence holds"
     for i, t in enumerate(n_new.tolist()):
@@ -65,6 +65,8 @@ def _check(case, v, page_tokens=PAGE_TOKENS, **kwargs):
         ulp = one_ulp(math)
         rows = pool.float()
         rows = rows[~rows.isnan().any(-1)] * (1.0 if kv_scale is None else kv_scale.item())
+        if new is not None:
+            rows = torch.cat([rows, new.float().flatten(0, 1)])
         kv = (rows[:, :wkv.shape[1]] @ wkv.float().T).abs().max().item()  # the largest key or value element
         q_nope = q[..., :q.shape[-1] - (pool.shape[-1] - wkv.shape[1])].float().abs().sum(-1).max().item()
         score_shift = ulp * q_nope * kv * SOFTMAX_SCALE  # a score moved by one ulp in every key element
@@ -117,6 +119,22 @@ def test_equals_the_block_definition():
     ref = blocks.attend_decompressed(TorchOps("float32"), cfg, qt[..., :nope], qt[..., nope:], cache, new,
                                      mask, wkv.view(h, nope + vdim, lora))  # [B, H, T, v]
     assert_close(o, ref.transpose(1, 2), TIGHT)
+    # as a block graph calls it: the past in the pool, the step's rows dense
+    dense = mla.mla_prefill(q, pool, tables, torch.tensor(past, dtype=torch.int32), n_new, wkv, cfg.softmax_scale,
+                            page_tokens=PAGE_TOKENS, v_head_dim=vdim, latent_dim=lora, new=new)
+    assert_close(dense, ref.transpose(1, 2), TIGHT)
+
+
+@pytest.mark.parametrize("q_dtype,pool_dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_the_steps_rows_dense_beside_the_pool(q_dtype, pool_dtype):
+    """How a block graph reads the pool in place: contexts from the pool around page boundaries (one empty: a
+    whole prompt in one chunk), the chunk's rows — ragged, 5, 1, 5, 0 and 3 real — from the step's tensor, exact
+    in their own dtype beside an fp8 context."""
+    contexts, n_new = [63, 64, 0, 129, 1], [5, 1, 5, 0, 3]
+    case = _case(contexts, n_new, **SMALL, q_dtype=q_dtype, pool_dtype=pool_dtype, seed=31)
+    gen = torch.Generator().manual_seed(32)
+    new = torch.randn(len(contexts), max(n_new), 576, generator=gen).to(q_dtype)
+    _check(case, SMALL["v"], new=new)
 
 
 @pytest.mark.parametrize("config", [

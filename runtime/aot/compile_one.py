@@ -19,11 +19,12 @@ def launch_dict(launch) -> dict:
 
 def launch_from_dict(d: dict):
     from k2trt.runtime.aot import linear as aot_linear
+    from k2trt.runtime.aot import mla as aot_mla
     from k2trt.runtime.aot import moe as aot_moe
     from k2trt.runtime.aot import moe_int4 as aot_moe_int4
 
     classes = {c.__name__: c for c in (aot_linear.LinearLaunch, aot_moe.GemmLaunch, aot_moe.AlignLaunch,
-                                       aot_moe.CombineLaunch, aot_moe_int4.Int4GemmLaunch)}
+                                       aot_moe.CombineLaunch, aot_moe_int4.Int4GemmLaunch, *aot_mla.LAUNCHES)}
     fields = dict(d)
     return classes[fields.pop("type")](**fields)
 

@@ -24,7 +24,7 @@ from k2trt.atomic import atomic_write_text
 FORMAT = 1  # of a stored file (job and result): a change to its layout bumps it
 # the modules a compile runs (aot_compile.compile_one, every launch class); their k2trt imports are followed
 ROOTS = ("k2trt.runtime.aot.compile_one", "k2trt.runtime.aot.ptx", "k2trt.runtime.aot.linear",
-         "k2trt.runtime.aot.moe", "k2trt.runtime.aot.moe_int4")
+         "k2trt.runtime.aot.moe", "k2trt.runtime.aot.moe_int4", "k2trt.runtime.aot.mla")
 
 
 def cache_root() -> Path:

@@ -216,12 +216,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     p.add_argument("--dtypes", nargs="+", default=list(contracts.ACTIVATION_DTYPES),
                    choices=contracts.ACTIVATION_DTYPES)
+    p.add_argument("--mla", action="store_true",
+                   help="compile the paged MLA attention's launches at K2's shapes (runtime/aot/mla.py) instead")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("aot_configs: compiles for the GPU; run it without TRITON_INTERPRET=1", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    requests = all_requests(tuple(args.configs), tuple(args.dtypes))
+    if args.mla:
+        from k2trt.runtime.aot import mla as aot_mla
+
+        acts = [a for a in args.dtypes if a in aot_mla.AOT_ACTIVATIONS]
+        requests = [Request("mla K2", type(x).__name__, 0, x) for x in aot_mla.every_launch(acts)]
+    else:
+        requests = all_requests(tuple(args.configs), tuple(args.dtypes))
     unique = distinct(requests)
     from k2trt.runtime.aot.result_cache import ResultCache
 

@@ -23,6 +23,12 @@ The Q queries of a sequence are its last Q positions (decode: Q = 1; speculative
 themselves: query j attends to positions < len − Q + j + 1, where len counts the Q new ones (already in the pool).
 A row with nothing to attend (len = 0: a padded batch entry) gets o = 0.
 
+How a block graph calls it (HAS_NEW): the pool holds the context only and the step's rows — computed inside the
+block, written to the pool by the runtime after it — come as a dense [B, Q, 576] input with n_new[b] real per
+sequence; the last split attends them after its share of the context, exactly (no kv_scale), causal among
+themselves, and queries past n_new[b] get 0. So a TensorRT plugin reads its inputs only (no output aliased to the
+pool) and the pool needs no room for rows the step has not committed.
+
 Numerics: scores and softmax in fp32 always. The two dots take their operands in the "math dtype": the query dtype
 when the pool holds that dtype or fp8 e4m3 (an e4m3 value is exact in bf16, fp16 and fp32; the per-tensor scale is
 applied to the fp32 dot results, value = fp8 · scale), fp32 otherwise. With a 16-bit math dtype the probabilities
@@ -85,12 +91,14 @@ def mma(a, b, acc, DOT16: tl.constexpr):
 
 
 @triton.jit
-def split_kernel(q_ptr, pool_ptr, kv_scale_ptr, table_ptr, len_ptr, n_q, max_pages, pool_pages, n_splits,
-                 part_acc_ptr, part_ml_ptr, o_ptr,
+def split_kernel(q_ptr, pool_ptr, kv_scale_ptr, table_ptr, len_ptr, new_ptr, n_new_ptr, n_q, max_pages, pool_pages,
+                 n_splits, part_acc_ptr, part_ml_ptr, o_ptr,
                  H: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SM_SCALE: tl.constexpr,
-                 MATH: tl.constexpr, DOT16: tl.constexpr, OUT: tl.constexpr, DIRECT: tl.constexpr):
-    # n_splits is a runtime scalar (one compiled kernel for every split count), DIRECT = (n_splits == 1)
+                 MATH: tl.constexpr, DOT16: tl.constexpr, OUT: tl.constexpr, DIRECT: tl.constexpr,
+                 HAS_NEW: tl.constexpr):
+    # n_splits is a runtime scalar (one compiled kernel for every split count), DIRECT = (n_splits == 1);
+    # HAS_NEW: the pool holds the context only and the step's rows come dense in new [B, n_q, D], n_new[b] real
     D: tl.constexpr = DL + DR
     b = tl.program_id(0)
     mb = tl.program_id(1)
@@ -100,7 +108,12 @@ def split_kernel(q_ptr, pool_ptr, kv_scale_ptr, table_ptr, len_ptr, n_q, max_pag
     row_ok = rows < rows_q
     # positions held, clamped to what the table can name: a bad length must not read past the table's row
     seq_len = tl.minimum(tl.maximum(tl.load(len_ptr + b), 0), max_pages * PAGE)
-    limit = seq_len - n_q + rows // H + 1  # query j sees positions < len - Q + j + 1 (causal among the new ones)
+    if HAS_NEW:
+        n_real = tl.minimum(tl.maximum(tl.load(n_new_ptr + b), 0), n_q)
+        # query j < n_real sees the context and new rows 0..j; a padding query sees nothing
+        limit = tl.where(rows // H < n_real, seq_len + rows // H + 1, 0)
+    else:
+        limit = seq_len - n_q + rows // H + 1  # query j sees positions < len - Q + j + 1 (causal among the new)
 
     # this split's run of position blocks: the sequence's blocks dealt out evenly, so a split past them is empty
     n_blocks = tl.cdiv(seq_len, BLOCK_N)
@@ -133,7 +146,8 @@ def split_kernel(q_ptr, pool_ptr, kv_scale_ptr, table_ptr, len_ptr, n_q, max_pag
 
         s = mma(q_lat, tl.trans(c), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), DOT16)
         s = mma(q_pe, tl.trans(k_pe), s, DOT16) * qk_scale
-        s = tl.where(pos[None, :] < limit[:, None], s, float("-inf"))  # past a row's causal limit, or the length
+        # past a row's causal limit, or the pool's length (with HAS_NEW a limit reaches into the step's rows)
+        s = tl.where((pos[None, :] < limit[:, None]) & held[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -142,6 +156,24 @@ def split_kernel(q_ptr, pool_ptr, kv_scale_ptr, table_ptr, len_ptr, n_q, max_pag
         m_i = m_new
 
     acc = acc * kv_scale
+    if HAS_NEW:
+        if split == n_splits - 1:  # the step's rows, once per sequence: exact, in their own dtype, no kv_scale
+            sm_scale = SM_SCALE * 1.4426950408889634
+            for i0 in range(0, n_real, BLOCK_N):
+                i = i0 + tl.arange(0, BLOCK_N)
+                ok = i < n_real
+                kv = new_ptr + (b.to(tl.int64) * n_q + i.to(tl.int64))[:, None] * D
+                c = operand(tl.load(kv + dl[None, :], mask=ok[:, None], other=0.0), MATH, DOT16)
+                k_pe = operand(tl.load(kv + dr[None, :], mask=ok[:, None], other=0.0), MATH, DOT16)
+                s = mma(q_lat, tl.trans(c), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), DOT16)
+                s = mma(q_pe, tl.trans(k_pe), s, DOT16) * sm_scale
+                s = tl.where((seq_len + i)[None, :] < limit[:, None], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = mma(probs_operand(p, MATH, DOT16), c, acc * alpha[:, None], DOT16)
+                m_i = m_new
     if DIRECT:  # one split, the whole context: normalize and write o, no merge
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row with nothing to attend: acc = 0, o = 0
         o_rows = o_ptr + b.to(tl.int64) * rows_q * DL + rows.to(tl.int64)[:, None] * DL
@@ -216,12 +248,13 @@ def num_splits(batch: int, row_blocks: int, max_positions: int, block_n: int, sm
 
 
 def split_constexprs(heads: int, latent_dim: int, rope_dim: int, page_tokens: int, config: MlaDecodeConfig,
-                     direct: bool, softmax_scale: float, q_dtype: torch.dtype, pool_dtype: torch.dtype) -> dict:
+                     direct: bool, softmax_scale: float, q_dtype: torch.dtype, pool_dtype: torch.dtype,
+                     has_new: bool = False) -> dict:
     math = math_dtype(q_dtype, pool_dtype)
     mcode = act_code(math)
     return dict(H=heads, DL=latent_dim, DR=rope_dim, PAGE=page_tokens, BLOCK_M=config.block_m,
                 BLOCK_N=config.block_n, SM_SCALE=float(softmax_scale), MATH=mcode,
-                DOT16=mcode != ACT_F32 and dot16(math), OUT=act_code(q_dtype), DIRECT=direct)
+                DOT16=mcode != ACT_F32 and dot16(math), OUT=act_code(q_dtype), DIRECT=direct, HAS_NEW=has_new)
 
 
 def _check(q, pool, page_tables, lengths, latent_dim, config):
@@ -245,7 +278,8 @@ def _check(q, pool, page_tables, lengths, latent_dim, config):
 def mla_decode(q: torch.Tensor, pool: torch.Tensor, page_tables: torch.Tensor, lengths: torch.Tensor,
                softmax_scale: float, kv_scale: torch.Tensor | float | None = None, *, page_tokens: int,
                latent_dim: int = KV_LORA_RANK, splits: int | None = None, max_positions: int | None = None,
-               config: MlaDecodeConfig = DEFAULT_CONFIG, out: torch.Tensor | None = None) -> torch.Tensor:
+               config: MlaDecodeConfig = DEFAULT_CONFIG, out: torch.Tensor | None = None,
+               new: torch.Tensor | None = None, n_new: torch.Tensor | None = None) -> torch.Tensor:
     """Paged absorbed-MLA decode attention.
 
     q [B, Q, H, latent + rope] float32/bfloat16/float16: q_full of the sequences' last Q positions; pool
@@ -253,9 +287,18 @@ def mla_decode(q: torch.Tensor, pool: torch.Tensor, page_tables: torch.Tensor, l
     per tensor: value = fp8 · scale); page_tables int32 [B, max_pages] (anything past a sequence's pages);
     lengths int32 [B] (positions held, the Q new ones included, already written into the pool) -> o [B, Q, H,
     latent] in q's dtype. `splits` per sequence (default: num_splits from the shapes, bounded by `max_positions`,
-    by default the tables' capacity — no host sync)."""
+    by default the tables' capacity — no host sync).
+
+    With `new` [B, Q, latent + rope] in q's dtype (the step's rows as the block graph computes them, not yet
+    written): the pool holds the context only, `lengths` counts it, and sequence b's new rows are new[b, :n_new[b]]
+    (default all Q) at the positions after it, attended exactly (no kv_scale); queries j ≥ n_new[b] get 0. This is
+    how a block reads the pool in place — the runtime writes the rows after the step."""
     rope = _check(q, pool, page_tables, lengths, latent_dim, config)
     b, n_q, heads, d = q.shape
+    if new is not None and (new.shape != (b, n_q, d) or new.dtype != q.dtype):
+        raise ValueError(f"new must be {q.dtype} [{b}, {n_q}, {d}], got {new.dtype} {tuple(new.shape)}")
+    if n_new is not None and (new is None or n_new.shape != (b,)):
+        raise ValueError(f"n_new goes with new and must be [{b}]")
     o = checked_out(out, (b, n_q, heads, latent_dim), q.dtype, q.device)
     if b == 0 or n_q == 0 or heads == 0:
         return o
@@ -278,6 +321,10 @@ def mla_decode(q: torch.Tensor, pool: torch.Tensor, page_tables: torch.Tensor, l
     pool = pool.contiguous()
     tables = page_tables.to(torch.int32).contiguous()
     lens = lengths.to(torch.int32).contiguous()
+    if new is not None:
+        new = new.contiguous()
+        news = (torch.full((b,), n_q, dtype=torch.int32, device=q.device) if n_new is None
+                else n_new.to(torch.int32).contiguous())
     if splits == 1:
         part_acc = part_ml = o  # unused: the split kernel writes o
     else:
@@ -285,9 +332,10 @@ def mla_decode(q: torch.Tensor, pool: torch.Tensor, page_tables: torch.Tensor, l
         part_ml = torch.empty(b * rows_q * splits, 2, dtype=torch.float32, device=q.device)
     pool_pages = max(1, pool.shape[0] // page_tokens)
     split_kernel[(b, row_blocks, splits)](
-        q, pool, scale, tables, lens, n_q, max_pages, pool_pages, splits, part_acc, part_ml, o,
+        q, pool, scale, tables, lens, q if new is None else new, lens if new is None else news, n_q, max_pages,
+        pool_pages, splits, part_acc, part_ml, o,
         **split_constexprs(heads, latent_dim, rope, page_tokens, config, splits == 1, softmax_scale, q.dtype,
-                           pool.dtype),
+                           pool.dtype, new is not None),
         num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=FP_FUSION)
     if splits > 1:
         merge_kernel[(b * rows_q,)](part_acc, part_ml, splits, o, DL=latent_dim, OUT=act_code(q.dtype),

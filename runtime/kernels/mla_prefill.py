@@ -16,7 +16,9 @@ attend with flash attention):
      page table, causal: the chunk's n new positions are the sequence's last n, query j at position
      len − n + j sees positions ≤ its own. Position blocks past the block's last query are skipped.
 
-Ragged chunks: `n_new[b]` ≤ T new positions per sequence (queries j ≥ n_new[b] are padding and get o = 0);
+As a block graph calls it (HAS_NEW), the pool holds the context only and the chunk's rows come dense
+[B, T, 576], read where the pool's would be (decompressed and attended as they are, no kv_scale); otherwise the
+new rows are already in the pool. Ragged chunks: `n_new[b]` ≤ T new positions per sequence (queries j ≥ n_new[b] are padding and get o = 0);
 `lengths[b]` counts every position held, the new ones included (already written to the pool, as the decode
 kernel expects). The context is decompressed into a scratch [B, P, H · (nope + v)] of the query dtype, P the
 tables' capacity (or `max_positions`): by graphs/blocks.decompress_from a decompressed step's keys and values
@@ -40,42 +42,71 @@ from k2trt.runtime.kernels.mla_decode import KV_LORA_RANK, math_dtype, mma, oper
 
 
 @triton.jit
-def decompress_kernel(pool_ptr, kv_scale_ptr, table_ptr, len_ptr, w_ptr, kv_ptr, max_pages, pool_pages, p_cap,
-                      N, D: tl.constexpr, DL: tl.constexpr, PAGE: tl.constexpr,
+def _extent(len_ptr, n_new_ptr, b, n_q, max_pages, p_cap, PAGE: tl.constexpr, HAS_NEW: tl.constexpr):
+    """(positions in the pool, positions in all, new positions) of sequence b, clamped to what the table and the
+    scratch hold; with HAS_NEW the pool holds the context and the new rows come dense after it."""
+    held = tl.minimum(tl.maximum(tl.load(len_ptr + b), 0), max_pages * PAGE)
+    if HAS_NEW:
+        total = tl.minimum(held + tl.minimum(tl.maximum(tl.load(n_new_ptr + b), 0), n_q), p_cap)
+        in_pool = tl.minimum(held, total)
+    else:
+        total = tl.minimum(held, p_cap)
+        in_pool = total
+    n_new = tl.minimum(tl.maximum(tl.load(n_new_ptr + b), 0), tl.minimum(n_q, total))
+    return in_pool, total, n_new
+
+
+@triton.jit
+def _rows(pool_ptr, table_ptr, new_ptr, b, pos, cols, in_pool, total, n_q, max_pages, pool_pages,
+          D: tl.constexpr, PAGE: tl.constexpr, MATH: tl.constexpr, DOT16: tl.constexpr):
+    """Columns `cols` of positions `pos`: pool rows through the table below `in_pool`, the step's dense rows
+    from there to `total`, each in the math dtype (nothing loaded past `total`)."""
+    from_pool = pos < in_pool
+    from_new = (pos >= in_pool) & (pos < total)
+    page = tl.load(table_ptr + b.to(tl.int64) * max_pages + pos // PAGE, mask=from_pool, other=0)
+    page = tl.minimum(tl.maximum(page, 0), pool_pages - 1)
+    pooled = tl.load(pool_ptr + (page.to(tl.int64) * PAGE + pos % PAGE)[:, None] * D + cols[None, :],
+                     mask=from_pool[:, None], other=0.0)
+    dense = tl.load(new_ptr + (b.to(tl.int64) * n_q + (pos - in_pool).to(tl.int64))[:, None] * D + cols[None, :],
+                    mask=from_new[:, None], other=0.0)
+    return tl.where(from_pool[:, None], operand(pooled, MATH, DOT16), operand(dense, MATH, DOT16))
+
+
+@triton.jit
+def decompress_kernel(pool_ptr, kv_scale_ptr, table_ptr, len_ptr, n_new_ptr, new_ptr, w_ptr, n_q, max_pages,
+                      pool_pages, p_cap, N, kv_ptr, D: tl.constexpr, DL: tl.constexpr, PAGE: tl.constexpr,
                       BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      MATH: tl.constexpr, DOT16: tl.constexpr, OUT: tl.constexpr):
+                      MATH: tl.constexpr, DOT16: tl.constexpr, OUT: tl.constexpr, HAS_NEW: tl.constexpr):
     b = tl.program_id(0)
     pos = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
     cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    seq_len = tl.minimum(tl.minimum(tl.maximum(tl.load(len_ptr + b), 0), max_pages * PAGE), p_cap)
+    in_pool, seq_len, _ = _extent(len_ptr, n_new_ptr, b, n_q, max_pages, p_cap, PAGE, HAS_NEW)
     if tl.program_id(1) * BLOCK_P < seq_len:  # a block past the sequence's length has nothing to decompress
         held = pos < seq_len
-        page = tl.load(table_ptr + b.to(tl.int64) * max_pages + pos // PAGE, mask=held, other=0)
-        page = tl.minimum(tl.maximum(page, 0), pool_pages - 1)
-        rows = pool_ptr + (page.to(tl.int64) * PAGE + pos % PAGE)[:, None] * D
         col_ok = cols < N
         acc = tl.zeros((BLOCK_P, BLOCK_N), tl.float32)
         for k0 in range(0, DL, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            c = operand(tl.load(rows + ks[None, :], mask=held[:, None], other=0.0), MATH, DOT16)  # [P, K]
+            c = _rows(pool_ptr, table_ptr, new_ptr, b, pos, ks, in_pool, seq_len, n_q, max_pages, pool_pages, D,
+                      PAGE, MATH, DOT16)  # [P, K]
             w = tl.load(w_ptr + cols.to(tl.int64)[None, :] * DL + ks[:, None], mask=col_ok[None, :], other=0.0)
             acc = mma(c, operand(w, MATH, DOT16), acc, DOT16)  # [P, N]
-        acc = acc * tl.load(kv_scale_ptr)
+        acc = acc * tl.where(pos < in_pool, tl.load(kv_scale_ptr), 1.0)[:, None]  # the step's rows as they are
         out = kv_ptr + (b.to(tl.int64) * p_cap + pos.to(tl.int64))[:, None] * N + cols[None, :]
         tl.store(out, to_act(acc, OUT), mask=held[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def attend_kernel(q_ptr, pool_ptr, kv_scale_ptr, table_ptr, len_ptr, new_ptr, kv_ptr, o_ptr, n_q, max_pages,
-                  pool_pages, p_cap,
+def attend_kernel(q_ptr, pool_ptr, kv_scale_ptr, table_ptr, len_ptr, n_new_ptr, new_ptr, kv_ptr, n_q, max_pages,
+                  pool_pages, p_cap, o_ptr,
                   H: tl.constexpr, NOPE: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr, D: tl.constexpr,
                   DL: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  SM_SCALE: tl.constexpr, MATH: tl.constexpr, DOT16: tl.constexpr, OUT: tl.constexpr):
+                  SM_SCALE: tl.constexpr, MATH: tl.constexpr, DOT16: tl.constexpr, OUT: tl.constexpr,
+                  HAS_NEW: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     j = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # the block's queries
-    seq_len = tl.minimum(tl.minimum(tl.maximum(tl.load(len_ptr + b), 0), max_pages * PAGE), p_cap)
-    n_new = tl.minimum(tl.maximum(tl.load(new_ptr + b), 0), tl.minimum(n_q, seq_len))
+    in_pool, seq_len, n_new = _extent(len_ptr, n_new_ptr, b, n_q, max_pages, p_cap, PAGE, HAS_NEW)
     q_ok = j < n_new
     q_pos = seq_len - n_new + j  # a query sees positions <= its own
 
@@ -90,23 +121,21 @@ def attend_kernel(q_ptr, pool_ptr, kv_scale_ptr, table_ptr, len_ptr, new_ptr, kv
     m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, DV), tl.float32)
-    table = table_ptr + b.to(tl.int64) * max_pages
     kv_head = kv_ptr + b.to(tl.int64) * p_cap * (H * KVW) + h * KVW
     # causal: nothing past the block's last query (and nothing at all for a block of padding queries)
     hi = tl.minimum(seq_len, seq_len - n_new + tl.minimum((tl.program_id(2) + 1) * BLOCK_M, n_new))
     for start in range(0, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         held = pos < seq_len
-        page = tl.load(table + pos // PAGE, mask=held, other=0)
-        page = tl.minimum(tl.maximum(page, 0), pool_pages - 1)
-        k_pe = tl.load(pool_ptr + (page.to(tl.int64) * PAGE + pos % PAGE)[:, None] * D + DL
-                       + tl.arange(0, DR)[None, :], mask=held[:, None], other=0.0)
+        k_pe = _rows(pool_ptr, table_ptr, new_ptr, b, pos, DL + tl.arange(0, DR), in_pool, seq_len, n_q, max_pages,
+                     pool_pages, D, PAGE, MATH, DOT16)
         rows = kv_head + pos.to(tl.int64)[:, None] * (H * KVW)
         k_nope = tl.load(rows + tl.arange(0, NOPE)[None, :], mask=held[:, None], other=0.0)
         v = tl.load(rows + NOPE + tl.arange(0, DV)[None, :], mask=held[:, None], other=0.0)
 
-        s_pe = mma(q_pe, tl.trans(operand(k_pe, MATH, DOT16)), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), DOT16)
-        s = mma(q_nope, tl.trans(operand(k_nope, MATH, DOT16)), s_pe * kv_scale, DOT16) * (SM_SCALE * log2e)
+        s_pe = mma(q_pe, tl.trans(k_pe), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), DOT16)
+        s_pe = s_pe * tl.where(pos < in_pool, kv_scale, 1.0)[None, :]  # the step's rows as they are
+        s = mma(q_nope, tl.trans(operand(k_nope, MATH, DOT16)), s_pe, DOT16) * (SM_SCALE * log2e)
         s = tl.where((pos[None, :] <= q_pos[:, None]) & held[None, :] & q_ok[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -146,7 +175,8 @@ def mla_prefill(q: torch.Tensor, pool: torch.Tensor, page_tables: torch.Tensor, 
                 n_new: torch.Tensor, wkv: torch.Tensor, softmax_scale: float,
                 kv_scale: torch.Tensor | float | None = None, *, page_tokens: int, v_head_dim: int,
                 latent_dim: int = KV_LORA_RANK, max_positions: int | None = None,
-                config: MlaPrefillConfig = DEFAULT_CONFIG, out: torch.Tensor | None = None) -> torch.Tensor:
+                config: MlaPrefillConfig = DEFAULT_CONFIG, out: torch.Tensor | None = None,
+                new: torch.Tensor | None = None) -> torch.Tensor:
     """Paged decompressed-MLA prefill attention.
 
     q [B, T, H, nope + rope] (float32/bfloat16/float16; q_pe rotated): the chunk's queries, sequence b's first
@@ -154,7 +184,12 @@ def mla_prefill(q: torch.Tensor, pool: torch.Tensor, page_tables: torch.Tensor, 
     `kv_scale`: value = fp8 · scale); page_tables int32 [B, max_pages]; lengths int32 [B] (positions held, the new
     ones included and already in the pool); n_new int32 [B]; wkv [H · (nope + v), latent] in q's dtype (kv_b,
     dequantized) -> o [B, T, H, v] in q's dtype, 0 for padding queries. `max_positions` bounds the context
-    decompressed (default: the tables' capacity; no host sync either way)."""
+    decompressed (default: the tables' capacity; no host sync either way).
+
+    With `new` [B, T, latent + rope] in q's dtype (the step's rows as the block graph computes them, not yet
+    written): the pool holds the context only, `lengths` counts it, and sequence b's rows new[b, :n_new[b]] follow
+    it, decompressed and attended as they are (no kv_scale); the scratch holds context and chunk
+    (`max_positions` + T)."""
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, nope + rope], got {tuple(q.shape)}")
     b, n_q, heads, qd = q.shape
@@ -177,6 +212,8 @@ def mla_prefill(q: torch.Tensor, pool: torch.Tensor, page_tables: torch.Tensor, 
     if latent_dim % config.decompress_k:
         raise ValueError(f"latent width {latent_dim} is not a multiple of the decompression step "
                          f"{config.decompress_k}")
+    if new is not None and (new.shape != (b, n_q, d) or new.dtype != q.dtype):
+        raise ValueError(f"new must be {q.dtype} [{b}, {n_q}, {d}], got {new.dtype} {tuple(new.shape)}")
     o = checked_out(out, (b, n_q, heads, v_head_dim), q.dtype, q.device)
     if b == 0 or n_q == 0 or heads == 0:
         return o
@@ -188,7 +225,7 @@ def mla_prefill(q: torch.Tensor, pool: torch.Tensor, page_tables: torch.Tensor, 
         scale = torch.ones(1, dtype=torch.float32, device=q.device)
     max_pages = page_tables.shape[1]
     p_cap = max_pages * page_tokens if max_positions is None else min(max_positions, max_pages * page_tokens)
-    p_cap = max(p_cap, 1)
+    p_cap = max(p_cap, 1) + (0 if new is None else n_q)
     math = math_dtype(q.dtype, pool.dtype)
     mcode = act_code(math)
     use16 = mcode != ACT_F32 and dot16(math)
@@ -196,17 +233,18 @@ def mla_prefill(q: torch.Tensor, pool: torch.Tensor, page_tables: torch.Tensor, 
     tables = page_tables.to(torch.int32).contiguous()
     lens = lengths.to(torch.int32).contiguous()
     news = n_new.to(torch.int32).contiguous()
+    rows_new = q if new is None else new.contiguous()  # unread without `new`
     pool_pages = max(1, pool.shape[0] // page_tokens)
     kv = torch.empty(b, p_cap, n_cols, dtype=q.dtype, device=q.device)  # the plugin's workspace
     grid = (b, triton.cdiv(p_cap, config.decompress_p), triton.cdiv(n_cols, config.decompress_n))
     decompress_kernel[grid](
-        pool, scale, tables, lens, wkv, kv, max_pages, pool_pages, p_cap, n_cols,
+        pool, scale, tables, lens, news, rows_new, wkv, n_q, max_pages, pool_pages, p_cap, n_cols, kv,
         D=d, DL=latent_dim, PAGE=page_tokens, BLOCK_P=config.decompress_p, BLOCK_N=config.decompress_n,
-        BLOCK_K=config.decompress_k, MATH=mcode, DOT16=use16, OUT=act_code(q.dtype),
+        BLOCK_K=config.decompress_k, MATH=mcode, DOT16=use16, OUT=act_code(q.dtype), HAS_NEW=new is not None,
         num_warps=config.decompress_warps, enable_fp_fusion=FP_FUSION)
     attend_kernel[(b, heads, triton.cdiv(n_q, config.block_m))](
-        q, pool, scale, tables, lens, news, kv, o, n_q, max_pages, pool_pages, p_cap,
+        q, pool, scale, tables, lens, news, rows_new, kv, n_q, max_pages, pool_pages, p_cap, o,
         H=heads, NOPE=nope, DR=rope, DV=v_head_dim, D=d, DL=latent_dim, PAGE=page_tokens, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, SM_SCALE=float(softmax_scale), MATH=mcode, DOT16=use16, OUT=act_code(q.dtype),
-        num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=FP_FUSION)
+        HAS_NEW=new is not None, num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=FP_FUSION)
     return o
