@@ -248,7 +248,9 @@ def k2_shape() -> dict:
 
 # float32 activations have no AOT form: the absorbed decode's 512-wide query and latent tiles alone take 64 KiB of
 # shared memory in fp32 at the smallest tile (16 rows × 16 positions; 73,728 B compiled for sm_90), over the 48 KiB
-# an AOT launch gets. Fitting them needs the score dot chunked over the latent width.
+# an AOT launch gets, and the score dot taken 128 columns at a time still needs 81,920 B (the weighted sum's own
+# 16 × 512 latent tile stays). A float32 engine runs these plugins JIT, where Triton's launcher raises a kernel's
+# shared-memory limit itself.
 AOT_ACTIVATIONS = ("bfloat16", "float16")
 
 
