@@ -5,6 +5,8 @@
                                                            fc2 = down, dequantized
   k2trt::MoeInt4(x, ids, wts, ...) -> com.microsoft::MoE   the same, the INT4 weights unpacked to bf16(q·s)
   k2trt::MoeCombine(pair_out, wts) -> Cast, Mul, ReduceSum, Cast  (an expert-parallel block's combine)
+  k2trt::MlaPagedDecode(q, pool, table, ctx, new, n) -> Gather through the table, then the absorbed attention
+                                                          in float32 (ONNX Runtime has no paged kernel)
 ONNX Runtime's MoE chooses its own top-k from router_probs, so the choice already made by the graph is
 handed over exactly: router_probs = log(w) on the chosen experts and -1e9 elsewhere, with
 normalize_routing_weights=1; the op then weighs expert e by w_e / Σw, and the output is multiplied by Σw.
@@ -113,6 +115,55 @@ class _Lowering:
         total = self.emit("ReduceSum", [weighted, self.const([2])], "combined", keepdims=0)
         self.emit("Cast", [total], outputs=list(node.output), to=self.act_elem)
 
+    def paged_decode(self, node: onnx.NodeProto) -> None:
+        """MlaPagedDecode as its contract states it: the context gathered through the page table (page ids
+        clamped into the pool, and every row past a sequence's context zeroed before the weighted sum, as the
+        kernel never reads it), the step's rows after it, scores, masked softmax and the weighted sum in float32;
+        queries past n_new get 0."""
+        q, pool, table, ctx, new, n_new = node.input
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        page, lat, scale = int(attrs["page_tokens"]), int(attrs["latent_dim"]), float(attrs["softmax_scale"])
+        f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+
+        def scalar_dim(x, axis, hint, times=1):
+            d = self.emit("Shape", [x], hint, start=axis, end=axis + 1)
+            if times != 1:
+                d = self.emit("Mul", [d, self.const([times])], hint)
+            return self.emit("Squeeze", [d, self.const([0])], hint)
+
+        def unsq(x, axes, hint):
+            return self.emit("Unsqueeze", [x, self.const(axes)], hint)
+
+        zero, one = self.const(0), self.const(1)
+        pos = self.emit("Range", [zero, scalar_dim(table, 1, "ctx_cap", page), one], "pos")  # [P]
+        pages = self.emit("Gather", [self.emit("Cast", [table], "table64", to=i64),
+                                     self.emit("Div", [pos, self.const(page)], "page_of")], "pages", axis=1)
+        rows = self.emit("Add", [self.emit("Mul", [pages, self.const(page)], "page_row"),
+                                 self.emit("Mod", [pos, self.const(page)], "in_page")], "rows")  # [B, P]
+        last = self.emit("Sub", [self.emit("Shape", [pool], "pool_rows", start=0, end=1), self.const([1])], "last")
+        rows = self.emit("Min", [self.emit("Max", [rows, self.const(0)], "rows_lo"), last], "rows_in")
+        held = self.emit("Less", [pos, unsq(self.emit("Cast", [ctx], "ctx64", to=i64), [1], "ctx_col")], "held")
+        past = self.emit("Cast", [self.emit("Gather", [pool, rows], "past", axis=0)], "past32", to=f32)
+        past = self.emit("Where", [unsq(held, [2], "held3"), past, self.const(0.0, np.float32)], "past_held")
+        kv = self.emit("Concat", [past, self.emit("Cast", [new], "new32", to=f32)], "kv", axis=1)  # [B, P+T, D]
+        keys = unsq(self.emit("Transpose", [kv], "kv_t", perm=[0, 2, 1]), [1], "keys")  # [B, 1, D, P+T]
+        scores = self.emit("Mul", [self.emit("MatMul", [self.emit("Cast", [q], "q32", to=f32), keys], "qk"),
+                                   self.const(scale, np.float32)], "scores")  # [B, T, H, P+T]
+        j = self.emit("Range", [zero, scalar_dim(new, 1, "steps"), one], "j")  # [T]
+        real = self.emit("Less", [j, unsq(self.emit("Cast", [n_new], "n64", to=i64), [1], "n_col")], "real")
+        real3 = unsq(real, [2], "real3")  # [B, T, 1]
+        causal = self.emit("LessOrEqual", [unsq(j, [0], "i_row"), unsq(j, [1], "j_col")], "causal")  # [T, T]
+        ok = self.emit("Concat", [self.emit("And", [unsq(held, [1], "held_row"), real3], "ok_past"),
+                                  self.emit("And", [unsq(causal, [0], "causal3"), real3], "ok_new")],
+                       "ok", axis=2)  # [B, T, P+T]
+        ok = unsq(ok, [2], "ok4")
+        masked = self.emit("Where", [ok, scores, self.const(-np.inf, np.float32)], "masked")
+        probs = self.emit("Softmax", [masked], "probs", axis=-1)
+        probs = self.emit("Where", [unsq(real3, [3], "real4"), probs, self.const(0.0, np.float32)], "probs_real")
+        latent = self.emit("Slice", [kv, self.const([0]), self.const([lat]), self.const([2])], "latent")
+        o = self.emit("MatMul", [probs, unsq(latent, [1], "latent4")], "o_lat")  # [B, T, H, L]
+        self.emit("Cast", [o], outputs=list(node.output), to=self.act_elem)
+
     def router_probs(self, x2: str, ids: str, w2: str, num_experts: int, k: int) -> str:
         """[tokens, E]: log(w) on the graph's chosen experts, NOT_CHOSEN elsewhere, in the activation dtype."""
         ids64 = self.emit("Cast", [self.emit("Reshape", [ids, self.const([-1, k])], "ids")], "ids64",
@@ -135,6 +186,8 @@ class _Lowering:
                 self.moe(node, MOE_FC1_INTERLEAVED_INT4, INT4_DEQUANT)
             elif node.domain == contracts.NAMESPACE and node.op_type == contracts.MOE_COMBINE.op_type:
                 self.combine(node)
+            elif node.domain == contracts.NAMESPACE and node.op_type == contracts.MLA_PAGED_DECODE.op_type:
+                self.paged_decode(node)
             else:
                 self.nodes.append(node)
         return self.finish()

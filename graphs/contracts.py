@@ -10,6 +10,11 @@ Two families:
     export/split_moe.py (MOE_STAGES: align, gate+up, down, combine), and the four MoeInt4 is expanded into
     (MOE_INT4_STAGES: the same align and combine, INT4 gate+up and down), whose torch references are in
     graphs/moe_ref.py.
+  * the paged attention node (PAGED): MlaPagedDecode, the absorbed attention over a layer's latent pool read
+    through the page tables, the step's rows beside it. Its torch op, its recording and its ONNX Runtime lowering
+    exist and agree with the gathered form (tests/test_paged_node.py); the block graphs record it once the runtime
+    binds pools and tables instead of a gathered cache, and TensorRT expands it into the two kernels of
+    runtime/aot/mla.py.
 Tests check that the exporter, the references, the lowering, the split and the plugins agree with this table.
 
 A node maps to a `tensorrt.plugin` plugin when its op_type equals the plugin name and its string attribute
@@ -242,11 +247,39 @@ MOE_DOWN_INT4 = NodeContract(
 )
 
 MOE_INT4_STAGES = (MOE_ALIGN, MOE_GATE_UP_INT4, MOE_DOWN_INT4, MOE_COMBINE)
+
+# ---- paged MLA attention: the cache read where it lies ------------------------------------------------------
+
+MLA_PAGED_DECODE = NodeContract(
+    op_type="MlaPagedDecode",
+    doc=("MLA attention in latent space (absorbed) over a layer's paged latent pool: sequence b's context is its "
+         "first ctx_lens[b] positions, position p in pool row page_table[b, p // page_tokens]·page_tokens + "
+         "p % page_tokens; its step rows latent_new[b, :n_new[b]] follow at ctx_lens[b] + j. Query j < n_new[b] "
+         "attends to the context and step rows 0..j: o_lat = Σ softmax(q_full · row · softmax_scale) · row[:L], "
+         "scores and softmax in float32; queries j ≥ n_new[b] get 0. The pool is read where it lies, never copied; "
+         "the runtime writes latent_new into it after the block."),
+    inputs=(
+        Port("q_full", ACTIVATION_DTYPES, "[B, T, H, L + R]", "q_nope · W_uk, then the rotated q_pe"),
+        Port("kv_pool", ACTIVATION_DTYPES, "[rows, L + R]", "the layer's pool: rows of normalized latent + k_pe"),
+        Port("page_table", ("int32",), "[B, max_pages]", "each sequence's pages in position order"),
+        Port("ctx_lens", ("int32",), "[B]", "positions already in the pool"),
+        Port("latent_new", ACTIVATION_DTYPES, "[B, T, L + R]", "this step's rows (the block's own)"),
+        Port("n_new", ("int32",), "[B]", "real rows of latent_new (≤ T)"),
+    ),
+    outputs=(Port("o_lat", ACTIVATION_DTYPES, "[B, T, H, L]", "same dtype as q_full"),),
+    attributes=(
+        Attribute("softmax_scale", "float", None, "the model's: qk_head_dim^-0.5, times YaRN's mscale²"),
+        Attribute("page_tokens", "int", None, "positions per page (runtime/cache/pages.PAGE_TOKENS)"),
+        Attribute("latent_dim", "int", None, "L, kv_lora_rank (the rest of a row is the rope key)"),
+    ),
+    tensorrt="to be expanded into the decode split and merge kernels (runtime/aot/mla.py); not recorded yet",
+)
+PAGED = (MLA_PAGED_DECODE,)
 # what graphs/blocks.py records; MoeCombine only in the combine of a MoE block split for expert parallelism
 RECORDED = (FP8_BLOCK_LINEAR, MOE_FP8, MOE_INT4, MOE_COMBINE)
 # the nodes of the TensorRT-bound graphs: one plugin each
 TENSORRT = (FP8_BLOCK_LINEAR, *MOE_STAGES, MOE_GATE_UP_INT4, MOE_DOWN_INT4)
-CONTRACTS = {c.op_type: c for c in (*RECORDED, *TENSORRT)}
+CONTRACTS = {c.op_type: c for c in (*RECORDED, *TENSORRT, *PAGED)}
 
 
 def markdown_table() -> str:

@@ -1,12 +1,13 @@
 """The node contracts of graphs/contracts.py as torch.library custom ops, so the torch reference calls the very
-operations the exported graphs name: torch.ops.k2trt.fp8_block_linear, torch.ops.k2trt.moe_fp8 and
-torch.ops.k2trt.moe_int4."""
+operations the exported graphs name: torch.ops.k2trt.fp8_block_linear, torch.ops.k2trt.moe_fp8,
+torch.ops.k2trt.moe_int4 and torch.ops.k2trt.mla_paged_decode."""
 
 from __future__ import annotations
 
 import torch
 
 from k2trt.graphs.fp8 import fp8_block_linear as _fp8_block_linear
+from k2trt.graphs.mla_ref import paged_mla_decode_reference
 from k2trt.graphs.moe_ref import moe_fp8_reference, moe_int4_reference
 
 
@@ -48,3 +49,16 @@ def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
 @moe_int4.register_fake
 def _(x, *args):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("k2trt::mla_paged_decode", mutates_args=())
+def mla_paged_decode(q_full: torch.Tensor, kv_pool: torch.Tensor, page_table: torch.Tensor, ctx_lens: torch.Tensor,
+                     latent_new: torch.Tensor, n_new: torch.Tensor, softmax_scale: float, page_tokens: int,
+                     latent_dim: int) -> torch.Tensor:
+    return paged_mla_decode_reference(q_full, kv_pool, page_table, ctx_lens, softmax_scale, page_tokens,
+                                      latent_dim=latent_dim, new=latent_new, n_new=n_new)
+
+
+@mla_paged_decode.register_fake
+def _(q_full, kv_pool, page_table, ctx_lens, latent_new, n_new, softmax_scale, page_tokens, latent_dim):
+    return q_full.new_empty((*q_full.shape[:-1], latent_dim))

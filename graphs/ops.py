@@ -126,3 +126,9 @@ class TorchOps:
     def moe_int4(self, x, topk_ids, topk_weights, gate_p, gate_s, up_p, up_s, down_p, down_s, group_size):
         return torch.ops.k2trt.moe_int4(x, topk_ids, topk_weights, gate_p, gate_s, up_p, up_s, down_p, down_s,
                                         group_size)
+
+    # ---- paged MLA attention (the MlaPagedDecode node) ------------------------------------------------------
+    def mla_paged_decode(self, q_full, kv_pool, page_table, ctx_lens, latent_new, n_new, softmax_scale: float,
+                         page_tokens: int, latent_dim: int):
+        return torch.ops.k2trt.mla_paged_decode(q_full, kv_pool, page_table, ctx_lens, latent_new, n_new,
+                                                float(softmax_scale), int(page_tokens), int(latent_dim))

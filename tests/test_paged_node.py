@@ -1,0 +1,115 @@
+"""The MlaPagedDecode node (graphs/contracts.py) in its three forms — the torch op (the reference), the recorded
+ONNX node lowered for ONNX Runtime, and the Triton kernel that TensorRT will run — against the attention the block
+graphs compute today, blocks.attend_absorbed on the gathered cache with the step's mask.
+
+The pools are the kernel tests' (test_kernels_mla._paged): page tables out of order with holes, a shared first page,
+every row no sequence holds NaN, the tables' padding naming NaN pages and wild ids — so the lowering's clamping and
+its zeroing of rows past a context are checked, not assumed. Chunks are ragged (n_new below T: padding queries
+must give 0), one sequence has no context at all."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from test_kernels_mla import _paged
+from tolerances import TIGHT, assert_close
+
+from k2trt.config import tiny
+from k2trt.export.lower_ort import lower_for_ort
+from k2trt.export.onnx_ops import OnnxOps
+from k2trt.graphs import blocks, contracts
+from k2trt.graphs.mask import attention_mask
+from k2trt.graphs.mla_ref import paged_rows
+from k2trt.graphs.ops import TorchOps
+from k2trt.runtime.cache.pages import PAGE_TOKENS
+
+CFG = tiny()
+H, NOPE, ROPE, V, LAT = (CFG.num_attention_heads, CFG.qk_nope_head_dim, CFG.qk_rope_head_dim, CFG.v_head_dim,
+                         CFG.kv_lora_rank)
+CONTEXTS, N_NEW, T = [70, 0, 129, 3], [4, 3, 1, 2], 4
+
+
+def _case(seed=0):
+    """(q_nope [B, H, T, nope], q_pe [B, H, T, rope], pool, tables, ctx_lens, new [B, T, L + R], n_new, wkv)."""
+    _, pool, tables, ctx, _ = _paged(CONTEXTS, 1, H, LAT, ROPE, torch.float32, torch.float32, seed=seed,
+                                     share=(0, 2))
+    gen = torch.Generator().manual_seed(seed + 1)
+    q_nope = torch.randn(len(CONTEXTS), H, T, NOPE, generator=gen)
+    q_pe = torch.randn(len(CONTEXTS), H, T, ROPE, generator=gen)
+    new = torch.randn(len(CONTEXTS), T, LAT + ROPE, generator=gen)
+    wkv = torch.randn(H, NOPE + V, LAT, generator=gen) * LAT ** -0.5
+    return q_nope, q_pe, pool, tables, ctx, new, torch.tensor(N_NEW, dtype=torch.int32), wkv
+
+
+def _q_full(q_nope, q_pe, wkv):
+    return torch.cat([q_nope @ wkv[:, :NOPE], q_pe], dim=-1).transpose(1, 2).contiguous()  # [B, T, H, L + R]
+
+
+def _gathered(q_nope, q_pe, pool, tables, ctx, new, n_new, wkv):
+    """What the block graphs compute today: the context gathered into [B, P, 576], a mask over it and the step's
+    rows; the attended latent through W_uv ([B, T, H, v]; padding queries' rows left out by the caller)."""
+    p = max(max(CONTEXTS), 1)
+    cache = torch.zeros(len(CONTEXTS), p, LAT + ROPE)
+    for b, n in enumerate(CONTEXTS):
+        cache[b, :n] = pool[paged_rows(tables[b], n, PAGE_TOKENS)]
+    key_pos = torch.cat([torch.arange(p).expand(len(CONTEXTS), -1), ctx[:, None] + torch.arange(T)], 1)
+    key_valid = torch.cat([torch.arange(p)[None, :] < ctx[:, None], torch.arange(T)[None, :] < n_new[:, None]], 1)
+    mask = attention_mask(ctx[:, None] + torch.arange(T), key_pos, key_valid)
+    o = blocks.attend_absorbed(TorchOps("float32"), CFG, q_nope, q_pe, cache, new, mask, wkv)  # [B, H, T, v]
+    return o.transpose(1, 2)
+
+
+def _through_w_uv(o_lat, wkv):
+    return torch.einsum("bthl,hvl->bthv", o_lat, wkv[:, NOPE:])
+
+
+def _ort(q_full, pool, tables, ctx, new, n_new):
+    ops = OnnxOps("float32", 20)
+    ins = [ops.input("q_full", "act", ["B", "T", H, LAT + ROPE]), ops.input("kv_pool", "act", ["R", LAT + ROPE]),
+           ops.input("page_table", "int32", ["B", "M"]), ops.input("ctx_lens", "int32", ["B"]),
+           ops.input("latent_new", "act", ["B", "T", LAT + ROPE]), ops.input("n_new", "int32", ["B"])]
+    o = ops.mla_paged_decode(*ins, softmax_scale=CFG.softmax_scale, page_tokens=PAGE_TOKENS, latent_dim=LAT)
+    ops.output(o, "o_lat", ["B", "T", H, LAT])
+    model = ops.model("paged")
+    node = next(n for n in model.graph.node if n.domain == contracts.NAMESPACE)
+    assert node.op_type == contracts.MLA_PAGED_DECODE.op_type and len(node.input) == 6
+    lowered = lower_for_ort(model, "float32")
+    assert not [n for n in lowered.graph.node if n.domain == contracts.NAMESPACE]
+    sess = ort.InferenceSession(lowered.SerializeToString(), providers=["CPUExecutionProvider"])
+    feed = {"q_full": q_full.numpy(), "kv_pool": pool.numpy(), "page_table": tables.numpy(),
+            "ctx_lens": ctx.numpy(), "latent_new": new.numpy(), "n_new": n_new.numpy()}
+    return torch.from_numpy(sess.run(None, feed)[0])
+
+
+def test_every_form_equals_the_gathered_attention():
+    q_nope, q_pe, pool, tables, ctx, new, n_new, wkv = _case()
+    want = _gathered(q_nope, q_pe, pool, tables, ctx, new, n_new, wkv)
+    q_full = _q_full(q_nope, q_pe, wkv)
+    forms = {"torch": TorchOps("float32").mla_paged_decode(q_full, pool, tables, ctx, new, n_new, CFG.softmax_scale,
+                                                            PAGE_TOKENS, LAT),
+             "onnxruntime": _ort(q_full, pool, tables, ctx, new, n_new)}
+    for name, o in forms.items():
+        assert o.shape == (len(CONTEXTS), T, H, LAT), name
+        assert not o.isnan().any(), f"{name} read a row no sequence holds"
+        for b, n in enumerate(N_NEW):
+            assert torch.equal(o[b, n:], torch.zeros_like(o[b, n:])), f"{name}: a padding query attended"
+            assert_close(_through_w_uv(o, wkv)[b, :n], want[b, :n], TIGHT)
+
+
+def test_the_kernel_is_the_same_node():
+    """The Triton kernel TensorRT's plugins will launch (runtime/kernels/mla_decode.py, the step's rows dense)
+    computes the node, under the interpreter."""
+    pytest.importorskip("triton", reason="the Triton kernels need the triton package")
+    from k2trt.runtime.kernels import mla_decode
+
+    q_nope, q_pe, pool, tables, ctx, new, n_new, wkv = _case(seed=5)
+    q_full = _q_full(q_nope, q_pe, wkv)
+    node = TorchOps("float32").mla_paged_decode(q_full, pool, tables, ctx, new, n_new, CFG.softmax_scale,
+                                                PAGE_TOKENS, LAT)
+    # the tiny's latent (128) and rope (64) are powers of two, as the kernel needs
+    kernel = mla_decode.mla_decode(q_full, pool, tables, ctx, CFG.softmax_scale, page_tokens=PAGE_TOKENS,
+                                   latent_dim=LAT, splits=2, new=new, n_new=n_new)
+    assert_close(kernel, node, TIGHT)
