@@ -294,6 +294,50 @@ def test_gpu_check_cost_model():
     assert table[0].startswith("| kernel | tokens") and table[1] == "|" + "---|" * 10 and len(table) == 3
 
 
+def test_gpu_check_mla_cost_model():
+    from k2trt.tools import gpu_check_mla as m
+
+    # 8 sequences of 32k positions at K2's widths, a bf16 pool: 8 · (32768 · 576 · 2 + 512 · 4 + 64 · 1088 · 2)
+    assert m.mla_decode_bytes(8, 32768, 1, 64, 512, 64, 2, 2) == 8 * (32768 * 576 * 2 + 512 * 4 + 64 * 1088 * 2)
+    assert m.mla_decode_flops(1, 100, 2, 4, 512, 64) == 2 * 2 * 4 * 100 * 1088
+    # a whole 4-token prompt: decompress 4 positions, then 1 + 2 + 3 + 4 positions seen
+    assert m.mla_prefill_flops(1, 0, 4, 2, 512, 128, 64, 128) == 2 * 4 * 2 * 256 * 512 + 2 * 2 * 10 * 320
+    assert m.bandwidth_share(2.4, "NVIDIA H100 80GB HBM3") == pytest.approx(2.4 / 3.35)
+    assert m.bandwidth_share(2.4, "NVIDIA H100 PCIe") == pytest.approx(1.2)
+    assert m.bandwidth_share(2.4, "cpu") is None
+
+
+def test_gpu_check_mla_rows_on_cpu():
+    """The MLA rows' measuring code on CPU at tiny widths (interpreted kernels, one timing run each): the paged
+    kernels agree with the references and with the gather-then-attend baselines they are timed against."""
+    from k2trt.tools import gpu_check_mla as m
+
+    cpu = torch.device("cpu")
+    shape = dict(heads=2, latent=64, rope=16)
+    rows = m.check_mla_decode([2], [100], cpu, **shape, dtype=torch.float32, iters=1, warmup=0)
+    rows += m.check_mla_prefill([(2, 70, 5), (1, 0, 9)], cpu, **shape, nope=32, v=32, dtype=torch.float32,
+                                iters=1, warmup=0)
+    assert [r.name for r in rows] == ["mla decode paged B2 P100", "mla prefill paged B2 ctx70 T5",
+                                      "mla prefill paged B1 ctx0 T9"]
+    assert all(r.ok and r.triton_ms > 0 and r.torch_ms > 0 for r in rows), gpu_check.format_table(rows)
+    gen = torch.Generator().manual_seed(0)
+    pool, tables, lengths = m.paged_pool(2, 100, 80, torch.float32, cpu, gen)
+    q = torch.randn(2, 1, 2, 80, generator=gen)
+    from k2trt.runtime.kernels.mla_decode import mla_decode
+    assert torch.allclose(m.torch_decode(q, pool, tables, 100, 0.1, 64),
+                          mla_decode(q, pool, tables, lengths, 0.1, page_tokens=m.PAGE, latent_dim=64), atol=1e-5)
+    q = torch.randn(1, 5, 2, 48, generator=gen)
+    new = torch.randn(1, 5, 80, generator=gen)
+    wkv = torch.randn(2 * 64, 64, generator=gen) * 0.1
+    from k2trt.runtime.kernels.mla_prefill import mla_prefill
+    ctx = torch.tensor([70], dtype=torch.int32)
+    assert torch.allclose(m.torch_prefill(q, pool, tables[:1], 70, new, wkv, 0.1, 64, 32, 32),
+                          mla_prefill(q, pool, tables[:1], ctx, torch.tensor([5], dtype=torch.int32), wkv, 0.1,
+                                      page_tokens=m.PAGE, v_head_dim=32, latent_dim=64, new=new), atol=1e-5)
+    text = gpu_check.markdown_report(rows, "NVIDIA H100 80GB HBM3")
+    assert "of NVIDIA H100 80GB HBM3's peak" in text
+
+
 def test_gpu_check_needs_cuda(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gpu_check.main([]) == 2

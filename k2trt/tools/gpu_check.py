@@ -105,8 +105,16 @@ def markdown_report(rows: list[Row], gpu: str, when: datetime.datetime | None = 
     return (f"# k2trt gpu-check\n\n- date: {when:%Y-%m-%d %H:%M UTC}\n- GPU: {gpu}\n"
             f"- torch {torch.__version__}, triton {triton.__version__}\n"
             f"- rel err = max|triton − reference| / max|reference|; TB/s counts the bytes that must be read "
-            f"(fp8 weights + scales of the experts touched, activations); check: rel err ≤ {REL_TOL}\n\n"
-            + format_table(rows, markdown=True))
+            f"(fp8 weights + scales of the experts touched, activations; for MLA decode every held cache row once); "
+            f"the MLA rows' torch baseline gathers the pages first, as the block graphs do today; "
+            f"check: rel err ≤ {REL_TOL}\n\n"
+            + format_table(rows, markdown=True) + _bandwidth_notes(rows, gpu))
+
+
+def _bandwidth_notes(rows: list[Row], gpu: str) -> str:
+    from k2trt.tools.gpu_check_mla import bandwidth_lines
+    lines = bandwidth_lines(rows, gpu)
+    return "".join(["\n"] + [f"- {line}\n" for line in lines]) if lines else ""
 
 
 # ---------------------------------------------------------------------------------------------- baselines
@@ -278,10 +286,15 @@ def check_linear(name: str, n: int, k: int, tokens_list, device, dtype=torch.bfl
     return rows
 
 
+MLA_BATCHES = (1, 8, 64)
+MLA_POSITIONS = (1024, 8192, 32768)
+MLA_PREFILL = ((1, 0, 4096), (1, 8192, 2048), (8, 1024, 512))  # (sequences, cached context, chunk)
+
+
 def run_all(device, tokens_list, linear_tokens, activation_quant: int = PER_TOKEN_GROUP,
-            cfg: K2Config | None = None, log=None) -> list[Row]:
-    """The MoE at K2's shapes for each token count (FP8 experts, then INT4 experts as K2-Thinking stores them), then
-    the dense linear at q_a and o_proj shapes."""
+            cfg: K2Config | None = None, log=None, mla: bool = True) -> list[Row]:
+    """The MoE at K2's shapes for each token count (FP8 experts, then INT4 experts as K2-Thinking stores them), the
+    dense linear at q_a and o_proj shapes, then the paged MLA attention (k2trt/tools/gpu_check_mla.py)."""
     cfg = cfg or K2Config()
     d, inter = cfg.hidden_size, cfg.moe_intermediate_size
     rows = check_moe(tokens_list, cfg.n_routed_experts, d, inter, cfg.num_experts_per_tok, device,
@@ -290,6 +303,13 @@ def run_all(device, tokens_list, linear_tokens, activation_quant: int = PER_TOKE
                            device, log=log)
     for name, n, k in (("q_a", cfg.q_lora_rank, d), ("o_proj", d, cfg.num_attention_heads * cfg.v_head_dim)):
         rows += check_linear(name, n, k, linear_tokens, device, activation_quant=activation_quant, log=log)
+    if mla:
+        from k2trt.tools import gpu_check_mla as m
+
+        shape = dict(heads=cfg.num_attention_heads, latent=cfg.kv_lora_rank, rope=cfg.qk_rope_head_dim)
+        rows += m.check_mla_decode(MLA_BATCHES, MLA_POSITIONS, device, **shape, log=log)
+        rows += m.check_mla_prefill(MLA_PREFILL, device, **shape, nope=cfg.qk_nope_head_dim, v=cfg.v_head_dim,
+                                    log=log)
     return rows
 
 
@@ -331,6 +351,11 @@ def kernel_variants(cfg: K2Config | None = None):
                                aot_moe.gemm_launch("gate_up", e, inter, d, "bfloat16", aq, tactic)))
             out.append(variant(f"moe down aq{aq} BM{t.block_m}",
                                aot_moe.gemm_launch("down", e, d, inter, "bfloat16", aq, tactic)))
+    from k2trt.runtime.aot import mla as aot_mla  # the paged MLA kernels at their JIT tiles, bf16 and fp8 pools
+    for pool in ("bfloat16", "float8_e4m3fn"):
+        for launch in aot_mla.launches("bfloat16", pool, **aot_mla.k2_shape()):
+            if not (pool != "bfloat16" and isinstance(launch, aot_mla.MergeLaunch)):  # the merge reads no pool
+                out.append(variant(f"mla {launch.label} {pool}", launch))
     for tactic in INT4_TACTICS:  # W4A16: one mode; the tiles are moe_int4.int4_tiles' for bf16, as the JIT's
         for stage, out_cols, in_cols in (("gate_up", inter, d), ("down", d, inter)):
             launch = aot_moe_int4.int4_gemm_launch(stage, e, out_cols, in_cols, INT4_GROUP, "bfloat16", tactic)
@@ -398,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = run_all(device, args.tokens, args.linear_tokens, args.activation_quant,
                    log=lambda r: print(format_table([r]).splitlines()[-1], flush=True))
     print(f"\n{format_table(rows)}({time.perf_counter() - t0:.0f} s)")
+    from k2trt.tools.gpu_check_mla import bandwidth_lines
+    for line in bandwidth_lines(rows, gpu):
+        print(line)
     if args.markdown:
         from k2trt.atomic import atomic_write_text
         atomic_write_text(args.markdown, markdown_report(rows, gpu))
