@@ -42,17 +42,35 @@ def activation_io(cfg: K2Config, kind: str, act: str) -> tuple[list, list]:
     return [(n, *types[n]) for n in ins], [(n, *types[n]) for n in outs]
 
 
+def paged_io(cfg: K2Config, kind: str, act: str) -> tuple[list, list]:
+    """activation_io of an attention kind read in place: the gathered cache and its mask replaced by the layer's
+    pool, the page tables, the context lengths and the step's new counts (the MlaPagedDecode node's inputs)."""
+    ins, outs = activation_io(cfg, kind, act)
+    if "latent_cache" not in [n for n, _, _ in ins]:
+        raise ValueError(f"{kind} has no attention to page")
+    kept = [i for i in ins if i[0] not in ("attention_mask", "latent_cache")]
+    paged = [("kv_pool", act, ["rows", cfg.latent_dim]), ("page_table", "int32", ["B", "pages"]),
+             ("ctx_lens", "int32", ["B"]), ("n_new", "int32", ["B"])]
+    return kept + paged, outs
+
+
 def build_block_graph(cfg: K2Config, kind: str, act_dtype: str = "float32", activation_quant: int = 1,
-                      experts: int | None = None, branches: bool = False):
+                      experts: int | None = None, branches: bool = False, paged: bool = False,
+                      page_tokens: int = 64):
     """The TensorRT-bound graph of one block kind (custom FP8 nodes for TensorRT's plugins), or of a MoE block's
     part (config.MOE_PART_KINDS; `experts`: the routed experts of one expert-parallel rank, for moe_experts).
     branches: the shape branches of graphs/blocks.py as If nodes (the graph ONNX Runtime's form is lowered from);
-    without, their small form only (attention absorbed at every T), as TensorRT takes no control flow."""
+    without, their small form only (attention absorbed at every T), as TensorRT takes no control flow.
+    paged: the attention kinds read the layer's pool in place (paged_io; the MlaPagedDecode node, pages of
+    `page_tokens` positions) instead of a gathered cache and its mask."""
     if kind not in BLOCK_KINDS + MOE_PART_KINDS:
         raise ValueError(f"unknown block kind {kind!r}; expected one of {BLOCK_KINDS + MOE_PART_KINDS}")
     ops = OnnxOps(act_dtype, OPSET, branches)
-    ins, outs = activation_io(cfg, kind, act_dtype)
+    ins, outs = (paged_io if paged else activation_io)(cfg, kind, act_dtype)
     a = {name: ops.input(name, dt, shape) for name, dt, shape in ins}
+    if paged:
+        a["attention_mask"] = None
+        a["latent_cache"] = blocks.PagedCache(a["kv_pool"], a["page_table"], a["ctx_lens"], a["n_new"], page_tokens)
     w = weight_inputs(ops, cfg, kind, experts)
     if kind == "embedding":
         results = [blocks.embedding(ops, a["input_ids"], w)]

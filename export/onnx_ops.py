@@ -315,10 +315,10 @@ class OnnxOps:
         return self.annotate(y, ["B", "T", down_p.shape[1]])
 
     def mla_paged_decode(self, q_full, kv_pool, page_table, ctx_lens, latent_new, n_new, softmax_scale: float,
-                         page_tokens: int, latent_dim: int):
+                         page_tokens: int, latent_dim: int, heads: int):
         """MlaPagedDecode recorded as it is (the ONNX Runtime form lowers it, TensorRT will expand it)."""
         ins = [q_full, kv_pool, page_table, ctx_lens, latent_new, n_new]
         y = self.node(contracts.MLA_PAGED_DECODE.op_type, ins, q_full.dtype, domain=contracts.NAMESPACE,
                       **plugin_attributes(), softmax_scale=float(softmax_scale), page_tokens=int(page_tokens),
                       latent_dim=int(latent_dim))
-        return self.annotate(y, [*q_full.shape[:-1], int(latent_dim)])
+        return self.annotate(y, ["B", "T", int(heads), int(latent_dim)])

@@ -11,18 +11,33 @@ record the ONNX graphs. Each follows modeling_deepseek.py (see docs/ARCHITECTURE
 `w` maps weight names (checkpoint suffixes, graphs/weights.py) to tensors. Attention reads the latent cache in
 place (the past is never copied or concatenated with the new entries) and runs absorbed for a few new positions,
 decompressed for many (`attention`, `decompress_from`): a branch on a shape, which the torch reference takes in
-Python and the ONNX Runtime graphs as an If; the TensorRT-bound graphs hold the absorbed form for now. Each linear is
+Python and the ONNX Runtime graphs as an If; the TensorRT-bound graphs hold the absorbed form for now. Given a
+PagedCache instead of a gathered cache and its mask, attention reads the layer's pool through the page tables (the
+MlaPagedDecode node, absorbed): the paged graphs export/block_graphs.py records with `paged=True`. Each linear is
 computed in the format the checkpoint stores it in (graphs/weights.role_format): FP8 blocks as the Fp8BlockLinear
 node, bf16 as a plain MatMul; the routed experts are one MoeFp8 or MoeInt4 node.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from k2trt.config import K2Config
 from k2trt.graphs.weights import experts_format, role_format
 from k2trt.quantization import BF16, FP8_BLOCK
 
 F32 = "float32"
+
+
+class PagedCache(NamedTuple):
+    """A layer's latent cache read where it lies, in place of a gathered cache and its mask: the pool [rows,
+    kv_lora + rope], each sequence's page table int32 [B, max_pages], the positions already in the pool int32 [B]
+    and the step's real new positions int32 [B] (the MlaPagedDecode node's inputs, graphs/contracts.py)."""
+    pool: object
+    page_table: object
+    ctx_lens: object
+    n_new: object
+    page_tokens: int
 
 
 def rms_norm(ops, x, weight, eps: float):
@@ -118,6 +133,10 @@ def attention(ops, cfg: K2Config, kind: str, x, rope_cos, rope_sin, mask, latent
     latent_new = ops.concat([c, ops.reshape(k_pe, [0, -1, rope])], axis=-1)  # [B, T, 576]
 
     wkv = ops.reshape(kv_b_weight(ops, cfg, kind, w), [h, nope + vdim, lora])  # per head: W_uk rows, then W_uv
+    if isinstance(latent_cache, PagedCache):  # the pool read in place: absorbed, the MlaPagedDecode node
+        o = attend_paged(ops, cfg, q_nope, q_pe, latent_cache, latent_new, wkv)
+        o = ops.reshape(ops.transpose(o, [0, 2, 1, 3]), [0, 0, h * vdim])
+        return lin(o, "self_attn.o_proj"), latent_new
     parts = (q_nope, q_pe, latent_cache, latent_new, mask, wkv)
 
     def decompress():  # on the step's shape: T, its new positions
@@ -154,6 +173,18 @@ def attend_absorbed(ops, cfg: K2Config, q_nope, q_pe, latent_cache, latent_new, 
     o_lat = ops.matmul(p_past, past) + ops.matmul(p_new, new)  # [B, H, T, 576]
     o_lat, _ = ops.split(o_lat, [lora, rope], axis=-1)
     return ops.matmul(o_lat, ops.transpose(w_uv, [0, 2, 1]))  # [B, H, T, v]
+
+
+def attend_paged(ops, cfg: K2Config, q_nope, q_pe, cache: PagedCache, latent_new, wkv):
+    """attend_absorbed over a paged cache: the MlaPagedDecode node reads the pool through the page tables and the
+    step's rows beside it (scores, softmax and weighted sum in float32); the attended latent goes through W_uv.
+    -> [B, H, T, v]."""
+    w_uk, w_uv = ops.split(wkv, [cfg.qk_nope_head_dim, cfg.v_head_dim], axis=1)
+    q_full = ops.transpose(ops.concat([ops.matmul(q_nope, w_uk), q_pe], axis=-1), [0, 2, 1, 3])  # [B, T, H, 576]
+    o_lat = ops.mla_paged_decode(q_full, cache.pool, cache.page_table, cache.ctx_lens, latent_new, cache.n_new,
+                                 cfg.softmax_scale, cache.page_tokens, cfg.kv_lora_rank,
+                                 cfg.num_attention_heads)  # [B, T, H, L]
+    return ops.matmul(ops.transpose(o_lat, [0, 2, 1, 3]), ops.transpose(w_uv, [0, 2, 1]))  # [B, H, T, v]
 
 
 def attend_decompressed(ops, cfg: K2Config, q_nope, q_pe, latent_cache, latent_new, mask, wkv):

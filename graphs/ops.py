@@ -129,6 +129,6 @@ class TorchOps:
 
     # ---- paged MLA attention (the MlaPagedDecode node) ------------------------------------------------------
     def mla_paged_decode(self, q_full, kv_pool, page_table, ctx_lens, latent_new, n_new, softmax_scale: float,
-                         page_tokens: int, latent_dim: int):
+                         page_tokens: int, latent_dim: int, heads: int):
         return torch.ops.k2trt.mla_paged_decode(q_full, kv_pool, page_table, ctx_lens, latent_new, n_new,
                                                 float(softmax_scale), int(page_tokens), int(latent_dim))

@@ -71,7 +71,8 @@ def _ort(q_full, pool, tables, ctx, new, n_new):
     ins = [ops.input("q_full", "act", ["B", "T", H, LAT + ROPE]), ops.input("kv_pool", "act", ["R", LAT + ROPE]),
            ops.input("page_table", "int32", ["B", "M"]), ops.input("ctx_lens", "int32", ["B"]),
            ops.input("latent_new", "act", ["B", "T", LAT + ROPE]), ops.input("n_new", "int32", ["B"])]
-    o = ops.mla_paged_decode(*ins, softmax_scale=CFG.softmax_scale, page_tokens=PAGE_TOKENS, latent_dim=LAT)
+    o = ops.mla_paged_decode(*ins, softmax_scale=CFG.softmax_scale, page_tokens=PAGE_TOKENS, latent_dim=LAT,
+                             heads=H)
     ops.output(o, "o_lat", ["B", "T", H, LAT])
     model = ops.model("paged")
     node = next(n for n in model.graph.node if n.domain == contracts.NAMESPACE)
@@ -89,7 +90,7 @@ def test_every_form_equals_the_gathered_attention():
     want = _gathered(q_nope, q_pe, pool, tables, ctx, new, n_new, wkv)
     q_full = _q_full(q_nope, q_pe, wkv)
     forms = {"torch": TorchOps("float32").mla_paged_decode(q_full, pool, tables, ctx, new, n_new, CFG.softmax_scale,
-                                                            PAGE_TOKENS, LAT),
+                                                            PAGE_TOKENS, LAT, H),
              "onnxruntime": _ort(q_full, pool, tables, ctx, new, n_new)}
     for name, o in forms.items():
         assert o.shape == (len(CONTEXTS), T, H, LAT), name
@@ -108,8 +109,76 @@ def test_the_kernel_is_the_same_node():
     q_nope, q_pe, pool, tables, ctx, new, n_new, wkv = _case(seed=5)
     q_full = _q_full(q_nope, q_pe, wkv)
     node = TorchOps("float32").mla_paged_decode(q_full, pool, tables, ctx, new, n_new, CFG.softmax_scale,
-                                                PAGE_TOKENS, LAT)
+                                                PAGE_TOKENS, LAT, H)
     # the tiny's latent (128) and rope (64) are powers of two, as the kernel needs
     kernel = mla_decode.mla_decode(q_full, pool, tables, ctx, CFG.softmax_scale, page_tokens=PAGE_TOKENS,
                                    latent_dim=LAT, splits=2, new=new, n_new=n_new)
     assert_close(kernel, node, TIGHT)
+
+
+# ---------------------------------------------------------------------------------------------- in the block graphs
+
+def _block_case(seed=7):
+    """A step of the tiny over a paged pool: hidden states, rope, the pool, tables and lengths, and the same
+    context gathered with the step's mask (as the runtime builds them today)."""
+    from k2trt.graphs.rope import rope_tables
+
+    _, pool, tables, ctx, _ = _paged(CONTEXTS, 1, 1, LAT, ROPE, torch.float32, torch.float32, seed=seed,
+                                     share=(0, 2))
+    pool = pool.nan_to_num(0.0)  # the block graph's own arithmetic is not what is checked for unread rows here
+    gen = torch.Generator().manual_seed(seed + 1)
+    b = len(CONTEXTS)
+    hidden = torch.randn(b, T, CFG.hidden_size, generator=gen)
+    n_new = torch.tensor(N_NEW, dtype=torch.int32)
+    cos, sin = rope_tables(CFG, ctx[:, None].long() + torch.arange(T))
+    p = max(CONTEXTS)
+    cache = torch.zeros(b, p, LAT + ROPE)
+    for i, n in enumerate(CONTEXTS):
+        cache[i, :n] = pool[paged_rows(tables[i], n, PAGE_TOKENS)]
+    key_pos = torch.cat([torch.arange(p).expand(b, -1), ctx[:, None] + torch.arange(T)], 1)
+    key_valid = torch.cat([torch.arange(p)[None, :] < ctx[:, None], torch.arange(T)[None, :] < n_new[:, None]], 1)
+    mask = attention_mask(ctx[:, None] + torch.arange(T), key_pos, key_valid)
+    return hidden, cos, sin, pool, tables, ctx, n_new, cache, mask
+
+
+@pytest.mark.parametrize("layer", [0, 1], ids=["dense_block", "moe_block"])
+def test_a_paged_block_equals_the_gathered_block(layer):
+    """graphs/blocks.decoder_block given a PagedCache (the MlaPagedDecode node) against the same block on the
+    gathered cache and its mask: the torch reference, and the paged graph export/block_graphs.py records, lowered
+    for ONNX Runtime. Padding positions' outputs are not compared (nothing reads them)."""
+    from k2trt.export.block_graphs import build_block_graph
+    from k2trt.graphs.fp8 import WEIGHT_DEQUANT
+    from k2trt.graphs.reference import ReferenceModel
+    from k2trt.tiny.synthetic import RandomWeights
+
+    kind = CFG.layer_kind(layer)
+    model = ReferenceModel(RandomWeights(CFG, seed=11))
+    w = model.layer_weights(layer)
+    hidden, cos, sin, pool, tables, ctx, n_new, cache, mask = _block_case()
+    ops = TorchOps("float32")
+    want, want_new = blocks.decoder_block(ops, CFG, kind, hidden, cos, sin, mask, cache, w, WEIGHT_DEQUANT)
+    paged = blocks.PagedCache(pool, tables, ctx, n_new, PAGE_TOKENS)
+    got, got_new = blocks.decoder_block(ops, CFG, kind, hidden, cos, sin, None, paged, w, WEIGHT_DEQUANT)
+    assert torch.equal(got_new, want_new)
+    for b, n in enumerate(N_NEW):
+        assert_close(got[b, :n], want[b, :n], TIGHT)
+
+    graph = build_block_graph(CFG, kind, "float32", WEIGHT_DEQUANT, branches=True, paged=True,
+                              page_tokens=PAGE_TOKENS)
+    names = [i.name for i in graph.graph.input]
+    assert "latent_cache" not in names and "attention_mask" not in names
+    assert [n.op_type for n in graph.graph.node if n.domain == contracts.NAMESPACE].count("MlaPagedDecode") == 1
+    lowered = lower_for_ort(graph, "float32")
+    from k2trt.export.onnx_ops import weight_prep
+    from k2trt.runtime.backends.graph_weights import graph_weights
+    acts = {"hidden_states": hidden, "rope_cos": cos, "rope_sin": sin, "kv_pool": pool, "page_table": tables,
+            "ctx_lens": ctx, "n_new": n_new}
+    entry = {"kind": kind, "weights": [i.name for i in lowered.graph.input if i.name not in acts],
+             "prep": weight_prep(lowered)}
+    feed = {**acts, **graph_weights(entry, model.weights.block_weights(layer), torch.float32)}
+    sess = ort.InferenceSession(lowered.SerializeToString(), providers=["CPUExecutionProvider"])
+    wanted = {i.name for i in sess.get_inputs()}
+    out = sess.run(None, {k: np.ascontiguousarray(v.numpy()) for k, v in feed.items() if k in wanted})
+    onnx_hidden = torch.from_numpy(out[0])
+    for b, n in enumerate(N_NEW):
+        assert_close(onnx_hidden[b, :n], want[b, :n], 1e-5)
