@@ -91,6 +91,18 @@ def mma(a, b, acc, DOT16: tl.constexpr):
 
 
 @triton.jit
+def online_softmax_step(s, values, m_i, l_i, acc, MATH: tl.constexpr, DOT16: tl.constexpr):
+    """One block of scores s [M, N] (base 2, masked to -inf) and its values [N, W] (math dtype) folded into the
+    running max m_i, sum l_i and weighted sum acc [M, W] (flash attention's update) -> (m_i, l_i, acc)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = mma(probs_operand(p, MATH, DOT16), values, acc * alpha[:, None], DOT16)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def split_kernel(q_ptr, pool_ptr, kv_scale_ptr, table_ptr, len_ptr, new_ptr, n_new_ptr, n_q, max_pages, pool_pages,
                  n_splits, part_acc_ptr, part_ml_ptr, o_ptr,
                  H: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr,
@@ -148,12 +160,7 @@ def split_kernel(q_ptr, pool_ptr, kv_scale_ptr, table_ptr, len_ptr, new_ptr, n_n
         s = mma(q_pe, tl.trans(k_pe), s, DOT16) * qk_scale
         # past a row's causal limit, or the pool's length (with HAS_NEW a limit reaches into the step's rows)
         s = tl.where((pos[None, :] < limit[:, None]) & held[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = mma(probs_operand(p, MATH, DOT16), c, acc * alpha[:, None], DOT16)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, c, m_i, l_i, acc, MATH, DOT16)
 
     acc = acc * kv_scale
     if HAS_NEW:
@@ -168,12 +175,7 @@ def split_kernel(q_ptr, pool_ptr, kv_scale_ptr, table_ptr, len_ptr, new_ptr, n_n
                 s = mma(q_lat, tl.trans(c), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), DOT16)
                 s = mma(q_pe, tl.trans(k_pe), s, DOT16) * sm_scale
                 s = tl.where((seq_len + i)[None, :] < limit[:, None], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = mma(probs_operand(p, MATH, DOT16), c, acc * alpha[:, None], DOT16)
-                m_i = m_new
+                m_i, l_i, acc = online_softmax_step(s, c, m_i, l_i, acc, MATH, DOT16)
     if DIRECT:  # one split, the whole context: normalize and write o, no merge
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row with nothing to attend: acc = 0, o = 0
         o_rows = o_ptr + b.to(tl.int64) * rows_q * DL + rows.to(tl.int64)[:, None] * DL
@@ -257,6 +259,22 @@ def split_constexprs(heads: int, latent_dim: int, rope_dim: int, page_tokens: in
                 DOT16=mcode != ACT_F32 and dot16(math), OUT=act_code(q_dtype), DIRECT=direct, HAS_NEW=has_new)
 
 
+def check_new(new: torch.Tensor | None, q: torch.Tensor, width: int) -> None:
+    """The step's dense rows, when given, are [B, T, width] in q's dtype."""
+    b, n_q = q.shape[:2]
+    if new is not None and (new.shape != (b, n_q, width) or new.dtype != q.dtype):
+        raise ValueError(f"new must be {q.dtype} [{b}, {n_q}, {width}], got {new.dtype} {tuple(new.shape)}")
+
+
+def pool_scale(pool: torch.Tensor, kv_scale, device) -> torch.Tensor:
+    """The one-element float32 tensor the kernels scale pool values by: the fp8 pool's kv_scale, else 1."""
+    if pool.dtype == torch.float8_e4m3fn:
+        if kv_scale is None:
+            raise ValueError("an fp8 pool needs its kv_scale")
+        return torch.as_tensor(kv_scale, dtype=torch.float32, device=device).reshape(1)
+    return torch.ones(1, dtype=torch.float32, device=device)
+
+
 def _check(q, pool, page_tables, lengths, latent_dim, config):
     if q.dim() != 4:
         raise ValueError(f"q must be [B, Q, H, latent + rope], got {tuple(q.shape)}")
@@ -295,19 +313,13 @@ def mla_decode(q: torch.Tensor, pool: torch.Tensor, page_tables: torch.Tensor, l
     how a block reads the pool in place — the runtime writes the rows after the step."""
     rope = _check(q, pool, page_tables, lengths, latent_dim, config)
     b, n_q, heads, d = q.shape
-    if new is not None and (new.shape != (b, n_q, d) or new.dtype != q.dtype):
-        raise ValueError(f"new must be {q.dtype} [{b}, {n_q}, {d}], got {new.dtype} {tuple(new.shape)}")
+    check_new(new, q, d)
     if n_new is not None and (new is None or n_new.shape != (b,)):
         raise ValueError(f"n_new goes with new and must be [{b}]")
     o = checked_out(out, (b, n_q, heads, latent_dim), q.dtype, q.device)
     if b == 0 or n_q == 0 or heads == 0:
         return o
-    if pool.dtype == torch.float8_e4m3fn:
-        if kv_scale is None:
-            raise ValueError("an fp8 pool needs its kv_scale")
-        scale = torch.as_tensor(kv_scale, dtype=torch.float32, device=q.device).reshape(1)
-    else:
-        scale = torch.ones(1, dtype=torch.float32, device=q.device)
+    scale = pool_scale(pool, kv_scale, q.device)
     max_pages = page_tables.shape[1]
     rows_q = n_q * heads
     row_blocks = triton.cdiv(rows_q, config.block_m)

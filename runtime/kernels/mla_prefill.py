@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 
 from k2trt.runtime.kernels.fp8_linear import ACT_F32, FP_FUSION, act_code, checked_out, dot16, to_act
-from k2trt.runtime.kernels.mla_decode import KV_LORA_RANK, math_dtype, mma, operand, probs_operand
+from k2trt.runtime.kernels.mla_decode import (KV_LORA_RANK, check_new, math_dtype, mma, online_softmax_step,
+                                              operand, pool_scale)
 
 
 @triton.jit
@@ -137,12 +138,7 @@ def attend_kernel(q_ptr, pool_ptr, kv_scale_ptr, table_ptr, len_ptr, n_new_ptr, 
         s_pe = s_pe * tl.where(pos < in_pool, kv_scale, 1.0)[None, :]  # the step's rows as they are
         s = mma(q_nope, tl.trans(operand(k_nope, MATH, DOT16)), s_pe, DOT16) * (SM_SCALE * log2e)
         s = tl.where((pos[None, :] <= q_pos[:, None]) & held[None, :] & q_ok[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = mma(probs_operand(p, MATH, DOT16), operand(v, MATH, DOT16), acc * alpha[:, None], DOT16)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, operand(v, MATH, DOT16), m_i, l_i, acc, MATH, DOT16)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a padding query: nothing attended, o = 0
     o_rows = o_ptr + ((b.to(tl.int64) * n_q + j.to(tl.int64)) * H + h)[:, None] * DV
@@ -212,17 +208,11 @@ def mla_prefill(q: torch.Tensor, pool: torch.Tensor, page_tables: torch.Tensor, 
     if latent_dim % config.decompress_k:
         raise ValueError(f"latent width {latent_dim} is not a multiple of the decompression step "
                          f"{config.decompress_k}")
-    if new is not None and (new.shape != (b, n_q, d) or new.dtype != q.dtype):
-        raise ValueError(f"new must be {q.dtype} [{b}, {n_q}, {d}], got {new.dtype} {tuple(new.shape)}")
+    check_new(new, q, d)
     o = checked_out(out, (b, n_q, heads, v_head_dim), q.dtype, q.device)
     if b == 0 or n_q == 0 or heads == 0:
         return o
-    if pool.dtype == torch.float8_e4m3fn:
-        if kv_scale is None:
-            raise ValueError("an fp8 pool needs its kv_scale")
-        scale = torch.as_tensor(kv_scale, dtype=torch.float32, device=q.device).reshape(1)
-    else:
-        scale = torch.ones(1, dtype=torch.float32, device=q.device)
+    scale = pool_scale(pool, kv_scale, q.device)
     max_pages = page_tables.shape[1]
     p_cap = max_pages * page_tokens if max_positions is None else min(max_positions, max_pages * page_tokens)
     p_cap = max(p_cap, 1) + (0 if new is None else n_q)
