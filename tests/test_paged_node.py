@@ -182,3 +182,32 @@ def test_a_paged_block_equals_the_gathered_block(layer):
     onnx_hidden = torch.from_numpy(out[0])
     for b, n in enumerate(N_NEW):
         assert_close(onnx_hidden[b, :n], want[b, :n], 1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- in the runtime
+
+def test_the_torch_backend_decodes_through_the_pool(tiny_ckpt, monkeypatch):
+    """The torch reference reads pages (Backend.reads_pages): its decode steps get the layer's pool, page tables
+    and lengths (no gather), its prefill steps the gathered cache; greedy tokens equal the same backend gathering
+    every step, over ragged prompts whose sequences cross page boundaries while decoding."""
+    from k2trt.checkpoint import Checkpoint
+    from k2trt.runtime.backends.torch_reference import TorchBackend
+    from k2trt.runtime.cache.pools import PagedLatentCache
+    from k2trt.runtime.generation.generator import Generator
+
+    ckpt = Checkpoint.open(tiny_ckpt)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (60, 5, 64)]
+    paged_calls = []
+    real = PagedLatentCache.paged
+    monkeypatch.setattr(PagedLatentCache, "paged", lambda self, *a: paged_calls.append(1) or real(self, *a))
+    backend = TorchBackend(ckpt)
+    assert backend.reads_pages
+    in_place, _ = Generator(backend, ckpt.config).generate(prompts, 12)
+    assert paged_calls, "no decode step read the pool in place"
+    gathering = TorchBackend(ckpt)
+    gathering.reads_pages = False
+    calls = len(paged_calls)
+    gathered, _ = Generator(gathering, ckpt.config).generate(prompts, 12)
+    assert len(paged_calls) == calls
+    assert [r.token_ids for r in in_place] == [r.token_ids for r in gathered]

@@ -81,10 +81,16 @@ class Backend(Protocol):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [B, T] int64 -> hidden [B, T, d]."""
 
+    # True: block() also takes the layer's cache read in place — latent_cache a graphs/blocks.PagedCache (the pool,
+    # page tables, context lengths, new counts) and mask None — for steps attended absorbed (fewer new positions
+    # than blocks.decompress_from); the executor gathers for every other step and every other backend
+    reads_pages: bool
+
     def block(self, layer: int, hidden: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
-              mask: torch.Tensor, latent_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+              mask: torch.Tensor | None, latent_cache) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [B, T, d], rope_cos/sin [B, T, rope/2], mask [B, T, P + T] float32,
-        latent_cache [B, P, latent] -> (hidden [B, T, d], latent_new [B, T, latent])."""
+        latent_cache [B, P, latent] (or, where reads_pages, a PagedCache and no mask) -> (hidden [B, T, d],
+        latent_new [B, T, latent])."""
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, T, d] -> logits [B, T, V] float32."""
@@ -144,6 +150,7 @@ class BackendWrapper:
         self.inner = inner
         self.name, self.device, self.act_dtype = inner.name, inner.device, inner.act_dtype
         self.activation_quant, self.limits, self.weights = inner.activation_quant, inner.limits, inner.weights
+        self.reads_pages = inner.reads_pages
 
     def prepare(self, layers=None, *, embedding: bool = True, head: bool = True, progress=None) -> None:
         self.inner.prepare(layers, embedding=embedding, head=head, progress=progress)

@@ -87,6 +87,7 @@ class OrtBackend:
     device = torch.device("cpu")
     activation_quant = WEIGHT_DEQUANT  # the lowered graphs compute with dequantized weights
     limits = BackendLimits()
+    reads_pages = False  # its graphs take the gathered cache (the paged node lowers to a gather anyway)
 
     def __init__(self, export_dir: str | Path, weights: WeightSource, providers: list[str] | None = None,
                  cache_layers: bool = True, threads: int | None = None, expert_parallel: int = 1):

@@ -157,6 +157,7 @@ class Engine:
 
 class TrtBackend:
     name = "trt"
+    reads_pages = False  # until its engines take the pool (docs/TENSORRT.md, the paged MLA plugins)
 
     def __init__(self, engine_dir: str | Path, weights: WeightSource, export_dir: str | Path | None = None,
                  cuda_graphs: bool = False, device: int = 0, verbose: bool = False, expert_parallel: int = 1):

@@ -2,9 +2,10 @@
 
 A sequence holds the pages its page table lists (pages.py: the scheduler's bookkeeping), so the memory in use
 follows the tokens held, not slots x the longest sequence, and sequences with a common prefix read the same pages.
-Every block gets the step's cache as [B, P, latent], gathered through the page tables (the block graphs keep their
-contiguous cache input, so every backend runs them unchanged), and the block's new entries are written into their
-pages in place. P, the step's capacity, follows what the step's sequences need (sizing.bucket, chosen by the scheduler
+A block gets the step's cache as [B, P, latent], gathered through the page tables (`gather`: the block graphs'
+contiguous cache input, which every backend runs), or — on a backend whose blocks read pages, for steps attended
+absorbed — the pool itself with the page tables and lengths (`paged`: graphs/blocks.PagedCache, nothing copied);
+either way the block's new entries are written into their pages in place. P, the step's capacity, follows what the step's sequences need (sizing.bucket, chosen by the scheduler
 so that every pipeline stage agrees).
 """
 
@@ -14,6 +15,7 @@ from typing import Iterable
 
 import torch
 
+from k2trt.graphs.blocks import PagedCache
 from k2trt.runtime.cache.pages import PAGE_TOKENS
 
 
@@ -70,6 +72,11 @@ class PagedLatentCache:
             buf = self.step_buffer = torch.empty(b, p, self.latent_dim, dtype=self.dtype, device=self.device)
         torch.index_select(self.tensors[layer], 0, rows.reshape(-1), out=buf.view(b * p, self.latent_dim))
         return buf
+
+    def paged(self, layer: int, page_table: torch.Tensor, ctx_lens: torch.Tensor, n_new: torch.Tensor) -> PagedCache:
+        """The step's cache of one layer read in place, for a backend whose blocks read pages (Backend.reads_pages):
+        the pool itself and the step's page tables and lengths (StepTensors), nothing copied."""
+        return PagedCache(self.tensors[layer], page_table, ctx_lens, n_new, self.page_tokens)
 
     def write(self, layer: int, new: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> None:
         """Write a step's new entries in place. new [B, T, latent]; `rows` are the flat pool rows of the valid

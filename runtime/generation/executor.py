@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from k2trt.config import K2Config
+from k2trt.graphs.blocks import decompress_from
 from k2trt.runtime.backends.contract import Backend
 from k2trt.runtime.cache.pools import PagedLatentCache
 from k2trt.runtime.generation.interfaces import Executor
@@ -49,6 +50,7 @@ class StageExecutor(Executor):
         self.samplers: dict[int, Sampler] = {}
         self.parked: dict[int, Sampler] = {}  # preempted sequences' samplers, by key (Park), until resumed
         self.rope = RopeTable(cfg)
+        self.decompress_from = decompress_from(cfg)  # steps this wide attend decompressed: the gathered cache
         self.clock = StageClock()
         self.logprobs = StepLogprobs({}, {})
 
@@ -86,9 +88,13 @@ class StageExecutor(Executor):
     def run_block(self, layer: int, plan: StepPlan, st: StepTensors, hidden: torch.Tensor) -> torch.Tensor:
         """One layer over the step's slot range; an expert-parallel stage runs its MoE layers split instead
         (runtime/distributed/expert_parallel.py)."""
-        cache = self.cache.gather(layer, st.gather_rows)
+        mask = st.mask
+        if self.backend.reads_pages and plan.width < self.decompress_from:  # absorbed: the pool read where it lies
+            cache, mask = self.cache.paged(layer, st.page_table, st.ctx_lens, st.n_new), None
+        else:
+            cache = self.cache.gather(layer, st.gather_rows)
         t0 = time.perf_counter()
-        hidden, new = self.backend.block(layer, hidden, st.rope_cos, st.rope_sin, st.mask, cache)
+        hidden, new = self.backend.block(layer, hidden, st.rope_cos, st.rope_sin, mask, cache)
         self.clock.backend_s += time.perf_counter() - t0
         self.cache.write(layer, new, st.cache_rows, st.valid)  # the only write of this step
         return hidden

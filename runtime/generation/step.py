@@ -238,6 +238,11 @@ class StepTensors:
     cache_rows: torch.Tensor  # flat pool rows (page * page_tokens + offset) of the valid positions, in valid order
     gather_rows: torch.Tensor  # [B, P] flat pool rows of each sequence's cache positions (row 0 past its pages)
     last: torch.Tensor  # [B] index of each sequence's last real position
+    # the same cache read in place (blocks.PagedCache): page tables padded with page 0, positions already held,
+    # real new positions
+    page_table: torch.Tensor  # [B, max_pages] int32
+    ctx_lens: torch.Tensor  # [B] int32
+    n_new: torch.Tensor  # [B] int32
 
 
 def step_tensors(plan: StepPlan, rope: RopeTable, device, act_dtype: torch.dtype) -> StepTensors:
@@ -268,7 +273,11 @@ def step_tensors(plan: StepPlan, rope: RopeTable, device, act_dtype: torch.dtype
     for i, table in enumerate(plan.tables):
         held = min(cap, len(table) * pt)
         gather[i, :held] = cache_rows(table, np.arange(held), pt)
+    tables = np.zeros((b, max([len(x) for x in plan.tables], default=0) or 1), dtype=np.int32)
+    for i, table in enumerate(plan.tables):
+        tables[i, :len(table)] = table
     as_t = torch.from_numpy
     return StepTensors(as_t(ids).to(device), cos.to(device, act_dtype), sin.to(device, act_dtype),
                        as_t(mask).to(device), as_t(valid).to(device), as_t(rows).to(device),
-                       as_t(gather).to(device), as_t(lengths - 1).to(device))
+                       as_t(gather).to(device), as_t(lengths - 1).to(device), as_t(tables).to(device),
+                       as_t(starts.astype(np.int32)).to(device), as_t(lengths.astype(np.int32)).to(device))

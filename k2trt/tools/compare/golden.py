@@ -52,6 +52,7 @@ class Recorder(BackendWrapper):
 
     def __init__(self, inner, cfg, wanted: list[tuple[str, int | None]], steps: int = GOLDEN_STEPS):
         super().__init__(inner)
+        self.reads_pages = False  # its feeds are the graphs' inputs: the gathered cache and its mask
         self.cfg, self.steps = cfg, steps
         self.cases = {block_key(k, n): BlockCase(block_key(k, n), k, n) for k, n in wanted}
         self.step = -1
