@@ -7,6 +7,7 @@
   k2trt::MoeCombine(pair_out, wts) -> Cast, Mul, ReduceSum, Cast  (an expert-parallel block's combine)
   k2trt::MlaPagedDecode(q, pool, table, ctx, new, n) -> Gather through the table, then the absorbed attention
                                                           in float32 (ONNX Runtime has no paged kernel)
+  k2trt::MlaPagedPrefill(..., kv_b)                   -> the same Gather, kv_b's MatMul, then attention per head
 ONNX Runtime's MoE chooses its own top-k from router_probs, so the choice already made by the graph is
 handed over exactly: router_probs = log(w) on the chosen experts and -1e9 elsewhere, with
 normalize_routing_weights=1; the op then weighs expert e by w_e / Σw, and the output is multiplied by Σw.
@@ -115,53 +116,95 @@ class _Lowering:
         total = self.emit("ReduceSum", [weighted, self.const([2])], "combined", keepdims=0)
         self.emit("Cast", [total], outputs=list(node.output), to=self.act_elem)
 
-    def paged_decode(self, node: onnx.NodeProto) -> None:
-        """MlaPagedDecode as its contract states it: the context gathered through the page table (page ids
-        clamped into the pool, and every row past a sequence's context zeroed before the weighted sum, as the
-        kernel never reads it), the step's rows after it, scores, masked softmax and the weighted sum in float32;
-        queries past n_new get 0."""
-        q, pool, table, ctx, new, n_new = node.input
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        page, lat, scale = int(attrs["page_tokens"]), int(attrs["latent_dim"]), float(attrs["softmax_scale"])
+    def _scalar_dim(self, x: str, axis: int, hint: str, times: int = 1) -> str:
+        d = self.emit("Shape", [x], hint, start=axis, end=axis + 1)
+        if times != 1:
+            d = self.emit("Mul", [d, self.const([times])], hint)
+        return self.emit("Squeeze", [d, self.const([0])], hint)
+
+    def _unsq(self, x: str, axes: list[int], hint: str) -> str:
+        return self.emit("Unsqueeze", [x, self.const(axes)], hint)
+
+    def _paged_rows(self, pool: str, table: str, ctx: str, new: str, n_new: str, page: int) -> tuple[str, str, str]:
+        """A paged node's keys as the contract lays them out: (rows [B, P + T, L + R] float32 — the context
+        gathered through the page table, page ids clamped into the pool and every row past a context zeroed (the
+        kernels never read them), then the step's rows — the visibility [B, T, P + T] (query j < n_new[b] sees the
+        context and step rows 0..j, a padding query nothing) and which queries are real [B, T, 1])."""
         f32, i64 = TensorProto.FLOAT, TensorProto.INT64
-
-        def scalar_dim(x, axis, hint, times=1):
-            d = self.emit("Shape", [x], hint, start=axis, end=axis + 1)
-            if times != 1:
-                d = self.emit("Mul", [d, self.const([times])], hint)
-            return self.emit("Squeeze", [d, self.const([0])], hint)
-
-        def unsq(x, axes, hint):
-            return self.emit("Unsqueeze", [x, self.const(axes)], hint)
-
         zero, one = self.const(0), self.const(1)
-        pos = self.emit("Range", [zero, scalar_dim(table, 1, "ctx_cap", page), one], "pos")  # [P]
+        pos = self.emit("Range", [zero, self._scalar_dim(table, 1, "ctx_cap", page), one], "pos")  # [P]
         pages = self.emit("Gather", [self.emit("Cast", [table], "table64", to=i64),
                                      self.emit("Div", [pos, self.const(page)], "page_of")], "pages", axis=1)
         rows = self.emit("Add", [self.emit("Mul", [pages, self.const(page)], "page_row"),
                                  self.emit("Mod", [pos, self.const(page)], "in_page")], "rows")  # [B, P]
         last = self.emit("Sub", [self.emit("Shape", [pool], "pool_rows", start=0, end=1), self.const([1])], "last")
         rows = self.emit("Min", [self.emit("Max", [rows, self.const(0)], "rows_lo"), last], "rows_in")
-        held = self.emit("Less", [pos, unsq(self.emit("Cast", [ctx], "ctx64", to=i64), [1], "ctx_col")], "held")
+        ctx_col = self._unsq(self.emit("Cast", [ctx], "ctx64", to=i64), [1], "ctx_col")
+        held = self.emit("Less", [pos, ctx_col], "held")  # [B, P]
         past = self.emit("Cast", [self.emit("Gather", [pool, rows], "past", axis=0)], "past32", to=f32)
-        past = self.emit("Where", [unsq(held, [2], "held3"), past, self.const(0.0, np.float32)], "past_held")
-        kv = self.emit("Concat", [past, self.emit("Cast", [new], "new32", to=f32)], "kv", axis=1)  # [B, P+T, D]
-        keys = unsq(self.emit("Transpose", [kv], "kv_t", perm=[0, 2, 1]), [1], "keys")  # [B, 1, D, P+T]
-        scores = self.emit("Mul", [self.emit("MatMul", [self.emit("Cast", [q], "q32", to=f32), keys], "qk"),
-                                   self.const(scale, np.float32)], "scores")  # [B, T, H, P+T]
-        j = self.emit("Range", [zero, scalar_dim(new, 1, "steps"), one], "j")  # [T]
-        real = self.emit("Less", [j, unsq(self.emit("Cast", [n_new], "n64", to=i64), [1], "n_col")], "real")
-        real3 = unsq(real, [2], "real3")  # [B, T, 1]
-        causal = self.emit("LessOrEqual", [unsq(j, [0], "i_row"), unsq(j, [1], "j_col")], "causal")  # [T, T]
-        ok = self.emit("Concat", [self.emit("And", [unsq(held, [1], "held_row"), real3], "ok_past"),
-                                  self.emit("And", [unsq(causal, [0], "causal3"), real3], "ok_new")],
-                       "ok", axis=2)  # [B, T, P+T]
-        ok = unsq(ok, [2], "ok4")
-        masked = self.emit("Where", [ok, scores, self.const(-np.inf, np.float32)], "masked")
+        past = self.emit("Where", [self._unsq(held, [2], "held3"), past, self.const(0.0, np.float32)], "past_held")
+        kv = self.emit("Concat", [past, self.emit("Cast", [new], "new32", to=f32)], "kv", axis=1)
+        j = self.emit("Range", [zero, self._scalar_dim(new, 1, "steps"), one], "j")  # [T]
+        real = self.emit("Less", [j, self._unsq(self.emit("Cast", [n_new], "n64", to=i64), [1], "n_col")], "real")
+        real3 = self._unsq(real, [2], "real3")  # [B, T, 1]
+        causal = self.emit("LessOrEqual", [self._unsq(j, [0], "i_row"), self._unsq(j, [1], "j_col")], "causal")
+        ok = self.emit("Concat", [self.emit("And", [self._unsq(held, [1], "held_row"), real3], "ok_past"),
+                                  self.emit("And", [self._unsq(causal, [0], "causal3"), real3], "ok_new")],
+                       "ok", axis=2)  # [B, T, P + T]
+        return kv, ok, real3
+
+    def _masked_softmax(self, scores: str, ok4: str, real4: str) -> str:
+        """Softmax over the visible keys; a padding query's row (nothing visible) is 0."""
+        masked = self.emit("Where", [ok4, scores, self.const(-np.inf, np.float32)], "masked")
         probs = self.emit("Softmax", [masked], "probs", axis=-1)
-        probs = self.emit("Where", [unsq(real3, [3], "real4"), probs, self.const(0.0, np.float32)], "probs_real")
+        return self.emit("Where", [real4, probs, self.const(0.0, np.float32)], "probs_real")
+
+    def _attributes(self, node: onnx.NodeProto) -> dict:
+        return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+    def paged_decode(self, node: onnx.NodeProto) -> None:
+        """MlaPagedDecode as its contract states it: the absorbed attention in float32 over _paged_rows."""
+        q, pool, table, ctx, new, n_new = node.input
+        attrs = self._attributes(node)
+        lat, scale = int(attrs["latent_dim"]), float(attrs["softmax_scale"])
+        kv, ok, real3 = self._paged_rows(pool, table, ctx, new, n_new, int(attrs["page_tokens"]))
+        keys = self._unsq(self.emit("Transpose", [kv], "kv_t", perm=[0, 2, 1]), [1], "keys")  # [B, 1, D, P+T]
+        q32 = self.emit("Cast", [q], "q32", to=TensorProto.FLOAT)
+        scores = self.emit("Mul", [self.emit("MatMul", [q32, keys], "qk"), self.const(scale, np.float32)],
+                           "scores")  # [B, T, H, P+T]
+        probs = self._masked_softmax(scores, self._unsq(ok, [2], "ok4"), self._unsq(real3, [3], "real4"))
         latent = self.emit("Slice", [kv, self.const([0]), self.const([lat]), self.const([2])], "latent")
-        o = self.emit("MatMul", [probs, unsq(latent, [1], "latent4")], "o_lat")  # [B, T, H, L]
+        o = self.emit("MatMul", [probs, self._unsq(latent, [1], "latent4")], "o_lat")  # [B, T, H, L]
+        self.emit("Cast", [o], outputs=list(node.output), to=self.act_elem)
+
+    def paged_prefill(self, node: onnx.NodeProto) -> None:
+        """MlaPagedPrefill as its contract states it: every row of _paged_rows through kv_b into keys and values
+        (rounded to the activation dtype), then per head attention in float32."""
+        q, pool, table, ctx, new, n_new, kv_b = node.input
+        attrs = self._attributes(node)
+        lat, scale, v = int(attrs["latent_dim"]), float(attrs["softmax_scale"]), int(attrs["v_head_dim"])
+        f32 = TensorProto.FLOAT
+        heads, nope, rope = int(attrs["heads"]), int(attrs["nope_dim"]), int(attrs["rope_dim"])
+        qd = nope + rope
+        kv, ok, real3 = self._paged_rows(pool, table, ctx, new, n_new, int(attrs["page_tokens"]))
+        latent = self.emit("Slice", [kv, self.const([0]), self.const([lat]), self.const([2])], "latent")
+        k_pe = self.emit("Slice", [kv, self.const([lat]), self.const([lat + rope]), self.const([2])], "k_pe")
+        w_t = self.emit("Transpose", [self.emit("Cast", [kv_b], "kv_b32", to=f32)], "kv_b_t", perm=[1, 0])
+        dec = self.emit("Cast", [self.emit("MatMul", [latent, w_t], "decompressed")], "dec_act", to=self.act_elem)
+        dec = self.emit("Cast", [dec], "dec32", to=f32)  # keys and values in the activation dtype
+        dec = self.emit("Transpose", [self.emit("Reshape", [dec, self.const([0, 0, heads, nope + v])], "dec4")],
+                        "dec_h", perm=[0, 2, 1, 3])  # [B, H, S, nope + v]
+        k_nope = self.emit("Slice", [dec, self.const([0]), self.const([nope]), self.const([3])], "k_nope")
+        val = self.emit("Slice", [dec, self.const([nope]), self.const([nope + v]), self.const([3])], "values")
+        qh = self.emit("Transpose", [self.emit("Cast", [q], "q32", to=f32)], "q_h", perm=[0, 2, 1, 3])  # [B,H,T,D]
+        q_nope = self.emit("Slice", [qh, self.const([0]), self.const([nope]), self.const([3])], "q_nope")
+        q_pe = self.emit("Slice", [qh, self.const([nope]), self.const([qd]), self.const([3])], "q_pe")
+        s_nope = self.emit("MatMul", [q_nope, self.emit("Transpose", [k_nope], "k_nope_t", perm=[0, 1, 3, 2])], "sn")
+        pe_t = self._unsq(self.emit("Transpose", [k_pe], "k_pe_t", perm=[0, 2, 1]), [1], "pe_t4")  # [B,1,R,S]
+        s_pe = self.emit("MatMul", [q_pe, pe_t], "sp")
+        scores = self.emit("Mul", [self.emit("Add", [s_nope, s_pe], "s"), self.const(scale, np.float32)], "scores")
+        probs = self._masked_softmax(scores, self._unsq(ok, [1], "ok4"), self._unsq(real3, [1], "real4"))
+        o = self.emit("Transpose", [self.emit("MatMul", [probs, val], "o_h")], "o", perm=[0, 2, 1, 3])  # [B,T,H,v]
         self.emit("Cast", [o], outputs=list(node.output), to=self.act_elem)
 
     def router_probs(self, x2: str, ids: str, w2: str, num_experts: int, k: int) -> str:
@@ -177,7 +220,19 @@ class _Lowering:
 
     # ---- the whole graph -----------------------------------------------------------------------------
     def run(self) -> onnx.ModelProto:
-        for node in self.model.graph.node:
+        self.nodes = self._lowered(self.model.graph.node)
+        return self.finish()
+
+    def _lowered(self, nodes) -> list[onnx.NodeProto]:
+        """The nodes with every custom node replaced, inside an If's branches too (a branch reads the outer graph's
+        values by name, so the constants and prepared weights it needs live in the outer graph)."""
+        outer, self.nodes = self.nodes, []
+        for node in nodes:
+            for a in node.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    branch = self._lowered(a.g.node)
+                    del a.g.node[:]
+                    a.g.node.extend(branch)
             if node.domain == contracts.NAMESPACE and node.op_type == contracts.FP8_BLOCK_LINEAR.op_type:
                 self.linear(node)
             elif node.domain == contracts.NAMESPACE and node.op_type == contracts.MOE_FP8.op_type:
@@ -188,9 +243,12 @@ class _Lowering:
                 self.combine(node)
             elif node.domain == contracts.NAMESPACE and node.op_type == contracts.MLA_PAGED_DECODE.op_type:
                 self.paged_decode(node)
+            elif node.domain == contracts.NAMESPACE and node.op_type == contracts.MLA_PAGED_PREFILL.op_type:
+                self.paged_prefill(node)
             else:
                 self.nodes.append(node)
-        return self.finish()
+        lowered, self.nodes = self.nodes, outer
+        return lowered
 
     def finish(self) -> onnx.ModelProto:
         m, g = self.model, self.model.graph

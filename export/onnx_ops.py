@@ -322,3 +322,14 @@ class OnnxOps:
                       **plugin_attributes(), softmax_scale=float(softmax_scale), page_tokens=int(page_tokens),
                       latent_dim=int(latent_dim))
         return self.annotate(y, ["B", "T", int(heads), int(latent_dim)])
+
+    def mla_paged_prefill(self, q, kv_pool, page_table, ctx_lens, latent_new, n_new, kv_b, softmax_scale: float,
+                          page_tokens: int, latent_dim: int, heads: int, nope_dim: int, rope_dim: int,
+                          v_head_dim: int):
+        """MlaPagedPrefill recorded as it is (the ONNX Runtime form lowers it)."""
+        ins = [q, kv_pool, page_table, ctx_lens, latent_new, n_new, kv_b]
+        y = self.node(contracts.MLA_PAGED_PREFILL.op_type, ins, q.dtype, domain=contracts.NAMESPACE,
+                      **plugin_attributes(), softmax_scale=float(softmax_scale), page_tokens=int(page_tokens),
+                      latent_dim=int(latent_dim), heads=int(heads), nope_dim=int(nope_dim),
+                      rope_dim=int(rope_dim), v_head_dim=int(v_head_dim))
+        return self.annotate(y, ["B", "T", int(heads), int(v_head_dim)])

@@ -13,7 +13,8 @@ place (the past is never copied or concatenated with the new entries) and runs a
 decompressed for many (`attention`, `decompress_from`): a branch on a shape, which the torch reference takes in
 Python and the ONNX Runtime graphs as an If; the TensorRT-bound graphs hold the absorbed form for now. Given a
 PagedCache instead of a gathered cache and its mask, attention reads the layer's pool through the page tables (the
-MlaPagedDecode node, absorbed): the paged graphs export/block_graphs.py records with `paged=True`. Each linear is
+MlaPagedDecode and MlaPagedPrefill nodes, chosen the same way): the paged graphs export/block_graphs.py records
+with `paged=True`. Each linear is
 computed in the format the checkpoint stores it in (graphs/weights.role_format): FP8 blocks as the Fp8BlockLinear
 node, bf16 as a plain MatMul; the routed experts are one MoeFp8 or MoeInt4 node.
 """
@@ -133,7 +134,7 @@ def attention(ops, cfg: K2Config, kind: str, x, rope_cos, rope_sin, mask, latent
     latent_new = ops.concat([c, ops.reshape(k_pe, [0, -1, rope])], axis=-1)  # [B, T, 576]
 
     wkv = ops.reshape(kv_b_weight(ops, cfg, kind, w), [h, nope + vdim, lora])  # per head: W_uk rows, then W_uv
-    if isinstance(latent_cache, PagedCache):  # the pool read in place: absorbed, the MlaPagedDecode node
+    if isinstance(latent_cache, PagedCache):  # the pool read in place: the MlaPaged* nodes
         o = attend_paged(ops, cfg, q_nope, q_pe, latent_cache, latent_new, wkv)
         o = ops.reshape(ops.transpose(o, [0, 2, 1, 3]), [0, 0, h * vdim])
         return lin(o, "self_attn.o_proj"), latent_new
@@ -176,9 +177,31 @@ def attend_absorbed(ops, cfg: K2Config, q_nope, q_pe, latent_cache, latent_new, 
 
 
 def attend_paged(ops, cfg: K2Config, q_nope, q_pe, cache: PagedCache, latent_new, wkv):
-    """attend_absorbed over a paged cache: the MlaPagedDecode node reads the pool through the page tables and the
-    step's rows beside it (scores, softmax and weighted sum in float32); the attended latent goes through W_uv.
-    -> [B, H, T, v]."""
+    """Attention over a paged cache, in the form attention() chooses by the step's new positions: the
+    MlaPagedPrefill node (decompressed) from decompress_from on, else MlaPagedDecode (absorbed); each reads the
+    pool through the page tables and the step's rows beside it. -> [B, H, T, v]."""
+    def decompress():
+        t = ops.dim(latent_new, 1)
+        return ops.at_least(t, ops.const_like(decompress_from(cfg), t))
+
+    return ops.choose(decompress, lambda: attend_paged_decompressed(ops, cfg, q_nope, q_pe, cache, latent_new, wkv),
+                      lambda: attend_paged_absorbed(ops, cfg, q_nope, q_pe, cache, latent_new, wkv))
+
+
+def attend_paged_decompressed(ops, cfg: K2Config, q_nope, q_pe, cache: PagedCache, latent_new, wkv):
+    """attend_decompressed over a paged cache (the MlaPagedPrefill node). -> [B, H, T, v]."""
+    h, vdim = cfg.num_attention_heads, cfg.v_head_dim
+    q = ops.transpose(ops.concat([q_nope, q_pe], axis=-1), [0, 2, 1, 3])  # [B, T, H, nope + rope]
+    kv_b = ops.reshape(wkv, [h * (cfg.qk_nope_head_dim + vdim), cfg.kv_lora_rank])
+    o = ops.mla_paged_prefill(q, cache.pool, cache.page_table, cache.ctx_lens, latent_new, cache.n_new, kv_b,
+                              cfg.softmax_scale, cache.page_tokens, cfg.kv_lora_rank, h, cfg.qk_nope_head_dim,
+                              cfg.qk_rope_head_dim, vdim)  # [B, T, H, v]
+    return ops.transpose(o, [0, 2, 1, 3])
+
+
+def attend_paged_absorbed(ops, cfg: K2Config, q_nope, q_pe, cache: PagedCache, latent_new, wkv):
+    """attend_absorbed over a paged cache: the MlaPagedDecode node (scores, softmax and weighted sum in float32);
+    the attended latent goes through W_uv. -> [B, H, T, v]."""
     w_uk, w_uv = ops.split(wkv, [cfg.qk_nope_head_dim, cfg.v_head_dim], axis=1)
     q_full = ops.transpose(ops.concat([ops.matmul(q_nope, w_uk), q_pe], axis=-1), [0, 2, 1, 3])  # [B, T, H, 576]
     o_lat = ops.mla_paged_decode(q_full, cache.pool, cache.page_table, cache.ctx_lens, latent_new, cache.n_new,

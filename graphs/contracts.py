@@ -10,8 +10,8 @@ Two families:
     export/split_moe.py (MOE_STAGES: align, gate+up, down, combine), and the four MoeInt4 is expanded into
     (MOE_INT4_STAGES: the same align and combine, INT4 gate+up and down), whose torch references are in
     graphs/moe_ref.py.
-  * the paged attention node (PAGED): MlaPagedDecode, the absorbed attention over a layer's latent pool read
-    through the page tables, the step's rows beside it. Its torch op, its recording and its ONNX Runtime lowering
+  * the paged attention nodes (PAGED): MlaPagedDecode and MlaPagedPrefill, the absorbed and the decompressed
+    attention over a layer's latent pool read through the page tables, the step's rows beside it. Its torch op, its recording and its ONNX Runtime lowering
     exist and agree with the gathered form (tests/test_paged_node.py); the block graphs record it once the runtime
     binds pools and tables instead of a gathered cache, and TensorRT expands it into the two kernels of
     runtime/aot/mla.py.
@@ -274,7 +274,34 @@ MLA_PAGED_DECODE = NodeContract(
     ),
     tensorrt="to be expanded into the decode split and merge kernels (runtime/aot/mla.py); not recorded yet",
 )
-PAGED = (MLA_PAGED_DECODE,)
+MLA_PAGED_PREFILL = NodeContract(
+    op_type="MlaPagedPrefill",
+    doc=("MLA attention decompressed (prefill) over a layer's paged latent pool, the context and step rows as "
+         "MlaPagedDecode has them: every position's latent through kv_b into its key's nope part and its value per "
+         "head (rounded to the activation dtype), beside the shared rope key; query j < n_new[b] attends to the "
+         "context and step rows 0..j, scores and softmax in float32; queries j ≥ n_new[b] get 0."),
+    inputs=(
+        Port("q", ACTIVATION_DTYPES, "[B, T, H, nope + R]", "q_nope, then the rotated q_pe"),
+        Port("kv_pool", ACTIVATION_DTYPES, "[rows, L + R]", "the layer's pool"),
+        Port("page_table", ("int32",), "[B, max_pages]"),
+        Port("ctx_lens", ("int32",), "[B]", "positions already in the pool"),
+        Port("latent_new", ACTIVATION_DTYPES, "[B, T, L + R]", "this step's rows (the block's own)"),
+        Port("n_new", ("int32",), "[B]", "real rows of latent_new (≤ T)"),
+        Port("kv_b", ACTIVATION_DTYPES, "[H · (nope + v), L]", "kv_b_proj: per head its W_uk rows, then its W_uv rows"),
+    ),
+    outputs=(Port("o", ACTIVATION_DTYPES, "[B, T, H, v]", "same dtype as q"),),
+    attributes=(
+        Attribute("softmax_scale", "float", None, "the model's: qk_head_dim^-0.5, times YaRN's mscale²"),
+        Attribute("page_tokens", "int", None, "positions per page (runtime/cache/pages.PAGE_TOKENS)"),
+        Attribute("latent_dim", "int", None, "L, kv_lora_rank"),
+        Attribute("heads", "int", None, "H"),
+        Attribute("nope_dim", "int", None, "nope, qk_nope_head_dim"),
+        Attribute("rope_dim", "int", None, "R, qk_rope_head_dim"),
+        Attribute("v_head_dim", "int", None, "v"),
+    ),
+    tensorrt="to be expanded into the decompress and attend kernels (runtime/aot/mla.py); not recorded yet",
+)
+PAGED = (MLA_PAGED_DECODE, MLA_PAGED_PREFILL)
 # what graphs/blocks.py records; MoeCombine only in the combine of a MoE block split for expert parallelism
 RECORDED = (FP8_BLOCK_LINEAR, MOE_FP8, MOE_INT4, MOE_COMBINE)
 # the nodes of the TensorRT-bound graphs: one plugin each

@@ -1,13 +1,13 @@
 """The node contracts of graphs/contracts.py as torch.library custom ops, so the torch reference calls the very
 operations the exported graphs name: torch.ops.k2trt.fp8_block_linear, torch.ops.k2trt.moe_fp8,
-torch.ops.k2trt.moe_int4 and torch.ops.k2trt.mla_paged_decode."""
+torch.ops.k2trt.moe_int4, torch.ops.k2trt.mla_paged_decode and torch.ops.k2trt.mla_paged_prefill."""
 
 from __future__ import annotations
 
 import torch
 
 from k2trt.graphs.fp8 import fp8_block_linear as _fp8_block_linear
-from k2trt.graphs.mla_ref import paged_mla_decode_reference
+from k2trt.graphs.mla_ref import paged_mla_decode_reference, paged_mla_prefill_reference
 from k2trt.graphs.moe_ref import moe_fp8_reference, moe_int4_reference
 
 
@@ -62,3 +62,16 @@ def mla_paged_decode(q_full: torch.Tensor, kv_pool: torch.Tensor, page_table: to
 @mla_paged_decode.register_fake
 def _(q_full, kv_pool, page_table, ctx_lens, latent_new, n_new, softmax_scale, page_tokens, latent_dim):
     return q_full.new_empty((*q_full.shape[:-1], latent_dim))
+
+
+@torch.library.custom_op("k2trt::mla_paged_prefill", mutates_args=())
+def mla_paged_prefill(q: torch.Tensor, kv_pool: torch.Tensor, page_table: torch.Tensor, ctx_lens: torch.Tensor,
+                      latent_new: torch.Tensor, n_new: torch.Tensor, kv_b: torch.Tensor, softmax_scale: float,
+                      page_tokens: int, latent_dim: int, v_head_dim: int) -> torch.Tensor:
+    return paged_mla_prefill_reference(q, kv_pool, page_table, ctx_lens, n_new, kv_b, softmax_scale, page_tokens,
+                                       v_head_dim, latent_dim=latent_dim, new=latent_new)
+
+
+@mla_paged_prefill.register_fake
+def _(q, kv_pool, page_table, ctx_lens, latent_new, n_new, kv_b, softmax_scale, page_tokens, latent_dim, v_head_dim):
+    return q.new_empty((*q.shape[:-1], v_head_dim))

@@ -132,3 +132,10 @@ class TorchOps:
                          page_tokens: int, latent_dim: int, heads: int):
         return torch.ops.k2trt.mla_paged_decode(q_full, kv_pool, page_table, ctx_lens, latent_new, n_new,
                                                 float(softmax_scale), int(page_tokens), int(latent_dim))
+
+    def mla_paged_prefill(self, q, kv_pool, page_table, ctx_lens, latent_new, n_new, kv_b, softmax_scale: float,
+                          page_tokens: int, latent_dim: int, heads: int, nope_dim: int, rope_dim: int,
+                          v_head_dim: int):
+        return torch.ops.k2trt.mla_paged_prefill(q, kv_pool, page_table, ctx_lens, latent_new, n_new, kv_b,
+                                                 float(softmax_scale), int(page_tokens), int(latent_dim),
+                                                 int(v_head_dim))

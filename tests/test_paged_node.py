@@ -48,16 +48,21 @@ def _q_full(q_nope, q_pe, wkv):
     return torch.cat([q_nope @ wkv[:, :NOPE], q_pe], dim=-1).transpose(1, 2).contiguous()  # [B, T, H, L + R]
 
 
-def _gathered(q_nope, q_pe, pool, tables, ctx, new, n_new, wkv):
-    """What the block graphs compute today: the context gathered into [B, P, 576], a mask over it and the step's
-    rows; the attended latent through W_uv ([B, T, H, v]; padding queries' rows left out by the caller)."""
+def _gathered_cache_and_mask(pool, tables, ctx, n_new):
+    """The contexts gathered out of their pages [B, P, 576] and the step's mask, as the runtime builds them."""
     p = max(max(CONTEXTS), 1)
     cache = torch.zeros(len(CONTEXTS), p, LAT + ROPE)
     for b, n in enumerate(CONTEXTS):
         cache[b, :n] = pool[paged_rows(tables[b], n, PAGE_TOKENS)]
     key_pos = torch.cat([torch.arange(p).expand(len(CONTEXTS), -1), ctx[:, None] + torch.arange(T)], 1)
     key_valid = torch.cat([torch.arange(p)[None, :] < ctx[:, None], torch.arange(T)[None, :] < n_new[:, None]], 1)
-    mask = attention_mask(ctx[:, None] + torch.arange(T), key_pos, key_valid)
+    return cache, attention_mask(ctx[:, None] + torch.arange(T), key_pos, key_valid)
+
+
+def _gathered(q_nope, q_pe, pool, tables, ctx, new, n_new, wkv):
+    """What the block graphs compute today: the context gathered into [B, P, 576], a mask over it and the step's
+    rows; the attended latent through W_uv ([B, T, H, v]; padding queries' rows left out by the caller)."""
+    cache, mask = _gathered_cache_and_mask(pool, tables, ctx, n_new)
     o = blocks.attend_absorbed(TorchOps("float32"), CFG, q_nope, q_pe, cache, new, mask, wkv)  # [B, H, T, v]
     return o.transpose(1, 2)
 
@@ -100,6 +105,46 @@ def test_every_form_equals_the_gathered_attention():
             assert_close(_through_w_uv(o, wkv)[b, :n], want[b, :n], TIGHT)
 
 
+def _gathered_decompressed(q_nope, q_pe, pool, tables, ctx, new, n_new, wkv):
+    """blocks.attend_decompressed on the gathered cache with the step's mask, [B, T, H, v]."""
+    cache, mask = _gathered_cache_and_mask(pool, tables, ctx, n_new)
+    return blocks.attend_decompressed(TorchOps("float32"), CFG, q_nope, q_pe, cache, new, mask, wkv).transpose(1, 2)
+
+
+def test_the_prefill_node_in_every_form_equals_the_gathered_attention():
+    """MlaPagedPrefill (decompressed): the torch op, the recorded node lowered for ONNX Runtime and the Triton
+    kernel against blocks.attend_decompressed on the gathered cache."""
+    pytest.importorskip("triton", reason="the Triton kernels need the triton package")
+    from k2trt.runtime.kernels import mla_prefill
+
+    q_nope, q_pe, pool, tables, ctx, new, n_new, wkv = _case(seed=9)
+    want = _gathered_decompressed(q_nope, q_pe, pool, tables, ctx, new, n_new, wkv)
+    q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2).contiguous()  # [B, T, H, nope + rope]
+    kv_b = wkv.reshape(H * (NOPE + V), LAT)
+    args = (CFG.softmax_scale, PAGE_TOKENS, LAT, H, NOPE, ROPE, V)
+
+    ops = OnnxOps("float32", 20)
+    ins = [ops.input("q", "act", ["B", "T", H, NOPE + ROPE]), ops.input("kv_pool", "act", ["R", LAT + ROPE]),
+           ops.input("page_table", "int32", ["B", "M"]), ops.input("ctx_lens", "int32", ["B"]),
+           ops.input("latent_new", "act", ["B", "T", LAT + ROPE]), ops.input("n_new", "int32", ["B"]),
+           ops.input("kv_b", "act", [H * (NOPE + V), LAT])]
+    ops.output(ops.mla_paged_prefill(*ins, *args), "o", ["B", "T", H, V])
+    sess = ort.InferenceSession(lower_for_ort(ops.model("prefill"), "float32").SerializeToString(),
+                                providers=["CPUExecutionProvider"])
+    feed = {"q": q, "kv_pool": pool, "page_table": tables, "ctx_lens": ctx, "latent_new": new, "n_new": n_new,
+            "kv_b": kv_b}
+    forms = {"torch": TorchOps("float32").mla_paged_prefill(q, pool, tables, ctx, new, n_new, kv_b, *args),
+             "onnxruntime": torch.from_numpy(sess.run(None, {k: v.numpy() for k, v in feed.items()})[0]),
+             "kernel": mla_prefill.mla_prefill(q, pool, tables, ctx, n_new, kv_b, CFG.softmax_scale,
+                                               page_tokens=PAGE_TOKENS, v_head_dim=V, latent_dim=LAT, new=new)}
+    for name, o in forms.items():
+        assert o.shape == (len(CONTEXTS), T, H, V), name
+        assert not o.isnan().any(), f"{name} read a row no sequence holds"
+        for b, n in enumerate(N_NEW):
+            assert torch.equal(o[b, n:], torch.zeros_like(o[b, n:])), f"{name}: a padding query attended"
+            assert_close(o[b, :n], want[b, :n], TIGHT)
+
+
 def test_the_kernel_is_the_same_node():
     """The Triton kernel TensorRT's plugins will launch (runtime/kernels/mla_decode.py, the step's rows dense)
     computes the node, under the interpreter."""
@@ -118,7 +163,7 @@ def test_the_kernel_is_the_same_node():
 
 # ---------------------------------------------------------------------------------------------- in the block graphs
 
-def _block_case(seed=7):
+def _block_case(t=T, counts=N_NEW, seed=7):
     """A step of the tiny over a paged pool: hidden states, rope, the pool, tables and lengths, and the same
     context gathered with the step's mask (as the runtime builds them today)."""
     from k2trt.graphs.rope import rope_tables
@@ -127,9 +172,9 @@ def _block_case(seed=7):
                                      share=(0, 2))
     pool = pool.nan_to_num(0.0)  # the block graph's own arithmetic is not what is checked for unread rows here
     gen = torch.Generator().manual_seed(seed + 1)
-    b = len(CONTEXTS)
+    b, T = len(CONTEXTS), t
     hidden = torch.randn(b, T, CFG.hidden_size, generator=gen)
-    n_new = torch.tensor(N_NEW, dtype=torch.int32)
+    n_new = torch.tensor(counts, dtype=torch.int32)
     cos, sin = rope_tables(CFG, ctx[:, None].long() + torch.arange(T))
     p = max(CONTEXTS)
     cache = torch.zeros(b, p, LAT + ROPE)
@@ -141,8 +186,11 @@ def _block_case(seed=7):
     return hidden, cos, sin, pool, tables, ctx, n_new, cache, mask
 
 
-@pytest.mark.parametrize("layer", [0, 1], ids=["dense_block", "moe_block"])
-def test_a_paged_block_equals_the_gathered_block(layer):
+@pytest.mark.parametrize("layer, t, counts", [
+    (0, T, N_NEW), (1, T, N_NEW),
+    (1, 130, [130, 7, 128, 1]),  # past decompress_from (128 for the tiny): the MlaPagedPrefill branch
+], ids=["dense_block", "moe_block", "moe_block-prefill"])
+def test_a_paged_block_equals_the_gathered_block(layer, t, counts):
     """graphs/blocks.decoder_block given a PagedCache (the MlaPagedDecode node) against the same block on the
     gathered cache and its mask: the torch reference, and the paged graph export/block_graphs.py records, lowered
     for ONNX Runtime. Padding positions' outputs are not compared (nothing reads them)."""
@@ -154,20 +202,22 @@ def test_a_paged_block_equals_the_gathered_block(layer):
     kind = CFG.layer_kind(layer)
     model = ReferenceModel(RandomWeights(CFG, seed=11))
     w = model.layer_weights(layer)
-    hidden, cos, sin, pool, tables, ctx, n_new, cache, mask = _block_case()
+    hidden, cos, sin, pool, tables, ctx, n_new, cache, mask = _block_case(t, counts)
     ops = TorchOps("float32")
     want, want_new = blocks.decoder_block(ops, CFG, kind, hidden, cos, sin, mask, cache, w, WEIGHT_DEQUANT)
     paged = blocks.PagedCache(pool, tables, ctx, n_new, PAGE_TOKENS)
     got, got_new = blocks.decoder_block(ops, CFG, kind, hidden, cos, sin, None, paged, w, WEIGHT_DEQUANT)
     assert torch.equal(got_new, want_new)
-    for b, n in enumerate(N_NEW):
+    for b, n in enumerate(counts):
         assert_close(got[b, :n], want[b, :n], TIGHT)
 
     graph = build_block_graph(CFG, kind, "float32", WEIGHT_DEQUANT, branches=True, paged=True,
                               page_tokens=PAGE_TOKENS)
     names = [i.name for i in graph.graph.input]
     assert "latent_cache" not in names and "attention_mask" not in names
-    assert [n.op_type for n in graph.graph.node if n.domain == contracts.NAMESPACE].count("MlaPagedDecode") == 1
+    branches = [a.g for n in graph.graph.node if n.op_type == "If" for a in n.attribute]
+    paged_nodes = sorted(n.op_type for g in branches for n in g.node if n.domain == contracts.NAMESPACE)
+    assert paged_nodes == ["MlaPagedDecode", "MlaPagedPrefill"]  # both forms, chosen by T as the gathered graph
     lowered = lower_for_ort(graph, "float32")
     from k2trt.export.onnx_ops import weight_prep
     from k2trt.runtime.backends.graph_weights import graph_weights
@@ -180,16 +230,17 @@ def test_a_paged_block_equals_the_gathered_block(layer):
     wanted = {i.name for i in sess.get_inputs()}
     out = sess.run(None, {k: np.ascontiguousarray(v.numpy()) for k, v in feed.items() if k in wanted})
     onnx_hidden = torch.from_numpy(out[0])
-    for b, n in enumerate(N_NEW):
+    for b, n in enumerate(counts):
         assert_close(onnx_hidden[b, :n], want[b, :n], 1e-5)
 
 
 # ---------------------------------------------------------------------------------------------- in the runtime
 
 def test_the_torch_backend_decodes_through_the_pool(tiny_ckpt, monkeypatch):
-    """The torch reference reads pages (Backend.reads_pages): its decode steps get the layer's pool, page tables
-    and lengths (no gather), its prefill steps the gathered cache; greedy tokens equal the same backend gathering
-    every step, over ragged prompts whose sequences cross page boundaries while decoding."""
+    """The torch reference reads pages (Backend.reads_pages): every step gets the layer's pool, page tables and
+    lengths (no gather) — a 150-token prompt's prefill through MlaPagedPrefill, the rest through MlaPagedDecode;
+    greedy tokens equal the same backend gathering every step, over ragged prompts whose sequences cross page
+    boundaries while decoding."""
     from k2trt.checkpoint import Checkpoint
     from k2trt.runtime.backends.torch_reference import TorchBackend
     from k2trt.runtime.cache.pools import PagedLatentCache
@@ -197,7 +248,7 @@ def test_the_torch_backend_decodes_through_the_pool(tiny_ckpt, monkeypatch):
 
     ckpt = Checkpoint.open(tiny_ckpt)
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (60, 5, 64)]
+    prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (60, 5, 150)]
     paged_calls = []
     real = PagedLatentCache.paged
     monkeypatch.setattr(PagedLatentCache, "paged", lambda self, *a: paged_calls.append(1) or real(self, *a))

@@ -81,9 +81,8 @@ class Backend(Protocol):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [B, T] int64 -> hidden [B, T, d]."""
 
-    # True: block() also takes the layer's cache read in place — latent_cache a graphs/blocks.PagedCache (the pool,
-    # page tables, context lengths, new counts) and mask None — for steps attended absorbed (fewer new positions
-    # than blocks.decompress_from); the executor gathers for every other step and every other backend
+    # True: block() takes the layer's cache read in place — latent_cache a graphs/blocks.PagedCache (the pool,
+    # page tables, context lengths, new counts) and mask None; the executor gathers for every other backend
     reads_pages: bool
 
     def block(self, layer: int, hidden: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,

@@ -15,7 +15,7 @@ class TorchBackend(ReferenceModel):
     name = "torch"
     device = torch.device("cpu")  # the reference computes on the CPU, in float32 by default
     limits = BackendLimits()
-    reads_pages = True  # decode steps attend through the MlaPagedDecode node, the pool read in place
+    reads_pages = True  # every step attends through the MlaPaged* nodes, the pool read in place
 
     def __init__(self, weights: WeightSource, act_dtype: str = "float32", activation_quant: int = WEIGHT_DEQUANT,
                  expert_parallel: int = 1):

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from k2trt.config import K2Config
-from k2trt.graphs.blocks import decompress_from
 from k2trt.runtime.backends.contract import Backend
 from k2trt.runtime.cache.pools import PagedLatentCache
 from k2trt.runtime.generation.interfaces import Executor
@@ -50,7 +49,6 @@ class StageExecutor(Executor):
         self.samplers: dict[int, Sampler] = {}
         self.parked: dict[int, Sampler] = {}  # preempted sequences' samplers, by key (Park), until resumed
         self.rope = RopeTable(cfg)
-        self.decompress_from = decompress_from(cfg)  # steps this wide attend decompressed: the gathered cache
         self.clock = StageClock()
         self.logprobs = StepLogprobs({}, {})
 
@@ -89,7 +87,7 @@ class StageExecutor(Executor):
         """One layer over the step's slot range; an expert-parallel stage runs its MoE layers split instead
         (runtime/distributed/expert_parallel.py)."""
         mask = st.mask
-        if self.backend.reads_pages and plan.width < self.decompress_from:  # absorbed: the pool read where it lies
+        if self.backend.reads_pages:  # the pool read where it lies
             cache, mask = self.cache.paged(layer, st.page_table, st.ctx_lens, st.n_new), None
         else:
             cache = self.cache.gather(layer, st.gather_rows)
