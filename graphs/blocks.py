@@ -135,17 +135,18 @@ def attention(ops, cfg: K2Config, kind: str, x, rope_cos, rope_sin, mask, latent
 
     wkv = ops.reshape(kv_b_weight(ops, cfg, kind, w), [h, nope + vdim, lora])  # per head: W_uk rows, then W_uv
     if isinstance(latent_cache, PagedCache):  # the pool read in place: the MlaPaged* nodes
-        o = attend_paged(ops, cfg, q_nope, q_pe, latent_cache, latent_new, wkv)
-        o = ops.reshape(ops.transpose(o, [0, 2, 1, 3]), [0, 0, h * vdim])
-        return lin(o, "self_attn.o_proj"), latent_new
-    parts = (q_nope, q_pe, latent_cache, latent_new, mask, wkv)
+        parts = (q_nope, q_pe, latent_cache, latent_new, wkv)
+        decompressed, absorbed = attend_paged_decompressed, attend_paged_absorbed
+    else:
+        parts = (q_nope, q_pe, latent_cache, latent_new, mask, wkv)
+        decompressed, absorbed = attend_decompressed, attend_absorbed
 
     def decompress():  # on the step's shape: T, its new positions
         t = ops.dim(latent_new, 1)
         return ops.at_least(t, ops.const_like(decompress_from(cfg), t))
 
-    o = ops.choose(decompress, lambda: attend_decompressed(ops, cfg, *parts),
-                   lambda: attend_absorbed(ops, cfg, *parts))  # [B, H, T, v]
+    o = ops.choose(decompress, lambda: decompressed(ops, cfg, *parts),
+                   lambda: absorbed(ops, cfg, *parts))  # [B, H, T, v]
     o = ops.reshape(ops.transpose(o, [0, 2, 1, 3]), [0, 0, h * vdim])
     return lin(o, "self_attn.o_proj"), latent_new
 
@@ -174,18 +175,6 @@ def attend_absorbed(ops, cfg: K2Config, q_nope, q_pe, latent_cache, latent_new, 
     o_lat = ops.matmul(p_past, past) + ops.matmul(p_new, new)  # [B, H, T, 576]
     o_lat, _ = ops.split(o_lat, [lora, rope], axis=-1)
     return ops.matmul(o_lat, ops.transpose(w_uv, [0, 2, 1]))  # [B, H, T, v]
-
-
-def attend_paged(ops, cfg: K2Config, q_nope, q_pe, cache: PagedCache, latent_new, wkv):
-    """Attention over a paged cache, in the form attention() chooses by the step's new positions: the
-    MlaPagedPrefill node (decompressed) from decompress_from on, else MlaPagedDecode (absorbed); each reads the
-    pool through the page tables and the step's rows beside it. -> [B, H, T, v]."""
-    def decompress():
-        t = ops.dim(latent_new, 1)
-        return ops.at_least(t, ops.const_like(decompress_from(cfg), t))
-
-    return ops.choose(decompress, lambda: attend_paged_decompressed(ops, cfg, q_nope, q_pe, cache, latent_new, wkv),
-                      lambda: attend_paged_absorbed(ops, cfg, q_nope, q_pe, cache, latent_new, wkv))
 
 
 def attend_paged_decompressed(ops, cfg: K2Config, q_nope, q_pe, cache: PagedCache, latent_new, wkv):

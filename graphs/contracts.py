@@ -1,6 +1,6 @@
 """The custom nodes of the graphs, defined once.
 
-Two families:
+Three families:
   * the nodes graphs/blocks.py records (RECORDED): Fp8BlockLinear, MoeFp8 and MoeInt4 (the INT4 routed experts of
     K2-Thinking and K2.5), and MoeCombine where a MoE block is split at the dispatch for expert parallelism (its
     combine graph). The torch reference registers the first three as torch.library custom ops (MoeCombine is its
@@ -11,10 +11,10 @@ Two families:
     (MOE_INT4_STAGES: the same align and combine, INT4 gate+up and down), whose torch references are in
     graphs/moe_ref.py.
   * the paged attention nodes (PAGED): MlaPagedDecode and MlaPagedPrefill, the absorbed and the decompressed
-    attention over a layer's latent pool read through the page tables, the step's rows beside it. Its torch op, its recording and its ONNX Runtime lowering
-    exist and agree with the gathered form (tests/test_paged_node.py); the block graphs record it once the runtime
-    binds pools and tables instead of a gathered cache, and TensorRT expands it into the two kernels of
-    runtime/aot/mla.py.
+    attention over a layer's latent pool read through the page tables, the step's rows beside it. graphs/blocks.py
+    records them given a PagedCache (the torch reference runs every step so; export/block_graphs.py with
+    paged=True); the ONNX Runtime lowering replaces them (tests/test_paged_node.py: both agree with the gathered
+    form); TensorRT is to expand each into two kernels of runtime/aot/mla.py (not built yet).
 Tests check that the exporter, the references, the lowering, the split and the plugins agree with this table.
 
 A node maps to a `tensorrt.plugin` plugin when its op_type equals the plugin name and its string attribute
@@ -272,7 +272,7 @@ MLA_PAGED_DECODE = NodeContract(
         Attribute("page_tokens", "int", None, "positions per page (runtime/cache/pages.PAGE_TOKENS)"),
         Attribute("latent_dim", "int", None, "L, kv_lora_rank (the rest of a row is the rope key)"),
     ),
-    tensorrt="to be expanded into the decode split and merge kernels (runtime/aot/mla.py); not recorded yet",
+    tensorrt="to be expanded into the decode split and merge kernels (runtime/aot/mla.py); not built yet",
 )
 MLA_PAGED_PREFILL = NodeContract(
     op_type="MlaPagedPrefill",
@@ -299,7 +299,7 @@ MLA_PAGED_PREFILL = NodeContract(
         Attribute("rope_dim", "int", None, "R, qk_rope_head_dim"),
         Attribute("v_head_dim", "int", None, "v"),
     ),
-    tensorrt="to be expanded into the decompress and attend kernels (runtime/aot/mla.py); not recorded yet",
+    tensorrt="to be expanded into the decompress and attend kernels (runtime/aot/mla.py); not built yet",
 )
 PAGED = (MLA_PAGED_DECODE, MLA_PAGED_PREFILL)
 # what graphs/blocks.py records; MoeCombine only in the combine of a MoE block split for expert parallelism

@@ -21,6 +21,14 @@ def paged_rows(table: torch.Tensor, length: int, page_tokens: int) -> torch.Tens
     return table.long()[pos // page_tokens] * page_tokens + pos % page_tokens
 
 
+def dequantized(pool: torch.Tensor, kv_scale) -> torch.Tensor:
+    """The pool's values in fp32: an fp8 pool times its per-tensor kv_scale."""
+    kv = pool.float()
+    if pool.dtype == torch.float8_e4m3fn:
+        kv = kv * torch.as_tensor(kv_scale, dtype=torch.float32, device=pool.device)
+    return kv
+
+
 def paged_mla_decode_reference(q: torch.Tensor, pool: torch.Tensor, page_tables: torch.Tensor,
                                lengths: torch.Tensor, softmax_scale: float,
                                page_tokens: int, kv_scale: torch.Tensor | float | None = None,
@@ -32,9 +40,7 @@ def paged_mla_decode_reference(q: torch.Tensor, pool: torch.Tensor, page_tables:
     With `new` [B, Q, latent + rope]: the pool holds only the context (`lengths` of it) and sequence b's first
     n_new[b] (default Q) rows of `new` follow it, as they are (no kv_scale); queries past n_new[b] get 0."""
     b, n_q, heads, _ = q.shape
-    kv_all = pool.float()
-    if pool.dtype == torch.float8_e4m3fn:
-        kv_all = kv_all * torch.as_tensor(kv_scale, dtype=torch.float32, device=pool.device)
+    kv_all = dequantized(pool, kv_scale)
     out = torch.zeros(b, n_q, heads, latent_dim, dtype=torch.float32, device=q.device)
     for i in range(b):
         ctx = int(lengths[i])
@@ -72,9 +78,7 @@ def paged_mla_prefill_reference(q: torch.Tensor, pool: torch.Tensor, page_tables
     b, n_q, heads, qd = q.shape
     rope = pool.shape[-1] - latent_dim
     nope = qd - rope
-    kv_all = pool.float()
-    if pool.dtype == torch.float8_e4m3fn:
-        kv_all = kv_all * torch.as_tensor(kv_scale, dtype=torch.float32, device=pool.device)
+    kv_all = dequantized(pool, kv_scale)
     out = torch.zeros(b, n_q, heads, v_head_dim, dtype=torch.float32, device=q.device)
     for i in range(b):
         n, t = int(lengths[i]), int(n_new[i])

@@ -77,12 +77,19 @@ def _check(case, page_tokens=PAGE_TOKENS, **kwargs):
     ref = paged_mla_decode_reference(q, pool, tables, lengths, SOFTMAX_SCALE, page_tokens, kv_scale)
     assert o.dtype == q.dtype and o.shape == ref.shape
     assert not o.isnan().any(), "the kernel read a row no sequence holds"
-    math = mla.math_dtype(q.dtype, pool.dtype)
+    assert_close(o, ref, _tolerance(q, pool, kv_scale, ref))
+    return o
+
+
+def _tolerance(q, pool, kv_scale, ref, new=None):
+    """TIGHT plus the probabilities' rounding to a 16-bit math dtype: at most PROB_ROUNDING times the largest
+    latent value attended (pool rows, scaled, and the step's rows), relative to max|reference|."""
     c = pool[:, :ref.shape[-1]].float()
     c_max = c[~c.isnan()].abs().max().item() * (1.0 if kv_scale is None else kv_scale.item())
-    tol = TIGHT + PROB_ROUNDING[math] * c_max / max(ref.float().abs().max().item(), 1e-30)
-    assert_close(o, ref, tol)
-    return o
+    if new is not None:
+        c_max = max(c_max, new[..., :ref.shape[-1]].float().abs().max().item())
+    rounding = PROB_ROUNDING[mla.math_dtype(q.dtype, pool.dtype)]
+    return TIGHT + rounding * c_max / max(ref.float().abs().max().item(), 1e-30)
 
 
 # ---------------------------------------------------------------------------------------------- small shapes
@@ -200,11 +207,7 @@ def _check_new(case, new, n_new, **kwargs):
     assert not o.isnan().any(), "the kernel read a row no sequence holds"
     for b, n in enumerate(n_new.tolist()):
         assert torch.equal(o[b, n:], torch.zeros_like(o[b, n:])), "a padding query attended"
-    math = mla.math_dtype(q.dtype, pool.dtype)
-    c = pool[:, :ref.shape[-1]].float()
-    c_max = max(c[~c.isnan()].abs().max().item() * (1.0 if kv_scale is None else kv_scale.item()),
-                new[..., :ref.shape[-1]].float().abs().max().item())
-    assert_close(o, ref, TIGHT + PROB_ROUNDING[math] * c_max / max(ref.float().abs().max().item(), 1e-30))
+    assert_close(o, ref, _tolerance(q, pool, kv_scale, ref, new))
     return o
 
 

@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("triton", reason="the Triton kernels need the triton package (pip install triton)")
 
-from test_kernels_mla import FP8, _paged  # noqa: E402
+from test_kernels_mla import DTYPES, FP8, _paged  # noqa: E402
 from tolerances import TIGHT, assert_close, one_ulp  # noqa: E402
 
 from k2trt.config import tiny  # noqa: E402
@@ -77,12 +77,6 @@ def _check(case, v, page_tokens=PAGE_TOKENS, new=None, **kwargs):
     return o
 
 
-DTYPES = [  # (query, pool)
-    (torch.float32, torch.float32),
-    (torch.bfloat16, torch.bfloat16),
-    (torch.bfloat16, FP8),
-    (torch.float32, FP8),
-]
 # around page boundaries; 127 and 128 share their first page; whole prompts, chunks over a cached context, one
 # new position, and padding queries in every sequence shorter than the chunk
 LENGTHS = (63, 64, 130, 127, 128, 1)

@@ -152,8 +152,8 @@ def check_mla_prefill(cases, device, heads: int = 64, latent: int = 512, nope: i
         tri = time_ms(kernel, device, warmup, iters)
         tor = time_ms(lambda: torch_prefill(q, pool, tables, context, new, wkv, scale, latent, nope, v), device,
                       warmup, iters)
-        bytes_read = (b * (context * (latent + rope) * pool.element_size() + chunk * (latent + rope) * 2)
-                      + wkv.numel() * wkv.element_size())
+        rows_read = context * (latent + rope) * pool.element_size() + chunk * (latent + rope) * new.element_size()
+        bytes_read = b * rows_read + wkv.numel() * wkv.element_size()
         rows.append(Row(f"mla prefill paged B{b} ctx{context} T{chunk}", b * chunk, max_abs, rel, tri, tor,
                         bytes_read, mla_prefill_flops(b, context, chunk, heads, latent, nope, rope, v), chunk))
         del pool, q, new, o

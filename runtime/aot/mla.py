@@ -159,12 +159,9 @@ class DecompressLaunch:
                 "len_ptr": "i32", "n_new_ptr": "i32", "new_ptr": act, "w_ptr": act, "kv_ptr": act}
 
     def constexprs(self) -> dict:
-        math = mla_decode.math_dtype(torch_dtype(self.act), torch_dtype(self.pool))
-        mcode = mla_decode.act_code(math)
         return dict(D=self.latent + self.rope, DL=self.latent, PAGE=self.page_tokens, BLOCK_P=self.block_p,
-                    BLOCK_N=self.block_n, BLOCK_K=self.block_k, MATH=mcode,
-                    DOT16=mcode != mla_decode.ACT_F32 and mla_decode.dot16(math),
-                    OUT=mla_decode.act_code(torch_dtype(self.act)), HAS_NEW=True)
+                    BLOCK_N=self.block_n, BLOCK_K=self.block_k, HAS_NEW=True,
+                    **mla_decode.math_constexprs(torch_dtype(self.act), torch_dtype(self.pool)))
 
     def shrink(self):
         return _shrink(self, "block_p", "block_n")
@@ -208,13 +205,10 @@ class AttendLaunch:
                 "len_ptr": "i32", "n_new_ptr": "i32", "new_ptr": act, "kv_ptr": act, "o_ptr": act}
 
     def constexprs(self) -> dict:
-        math = mla_decode.math_dtype(torch_dtype(self.act), torch_dtype(self.pool))
-        mcode = mla_decode.act_code(math)
         return dict(H=self.heads, NOPE=self.nope, DR=self.rope, DV=self.v, D=self.latent + self.rope,
                     DL=self.latent, PAGE=self.page_tokens, BLOCK_M=self.block_m, BLOCK_N=self.block_n,
-                    SM_SCALE=float(self.softmax_scale), MATH=mcode,
-                    DOT16=mcode != mla_decode.ACT_F32 and mla_decode.dot16(math),
-                    OUT=mla_decode.act_code(torch_dtype(self.act)), HAS_NEW=True)
+                    SM_SCALE=float(self.softmax_scale), HAS_NEW=True,
+                    **mla_decode.math_constexprs(torch_dtype(self.act), torch_dtype(self.pool)))
 
     def shrink(self):
         return _shrink(self, "block_m", "block_n")

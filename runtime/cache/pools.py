@@ -4,9 +4,9 @@ A sequence holds the pages its page table lists (pages.py: the scheduler's bookk
 follows the tokens held, not slots x the longest sequence, and sequences with a common prefix read the same pages.
 A block gets the step's cache as [B, P, latent], gathered through the page tables (`gather`: the block graphs'
 contiguous cache input, which every backend runs), or — on a backend whose blocks read pages — the pool itself
-with the page tables and lengths (`paged`: graphs/blocks.PagedCache, nothing copied);
-either way the block's new entries are written into their pages in place. P, the step's capacity, follows what the step's sequences need (sizing.bucket, chosen by the scheduler
-so that every pipeline stage agrees).
+with the page tables and lengths (`paged`: graphs/blocks.PagedCache, nothing copied); either way the block's new
+entries are written into their pages in place. P, the step's capacity, follows what the step's sequences need
+(sizing.bucket, chosen by the scheduler so that every pipeline stage agrees).
 """
 
 from __future__ import annotations

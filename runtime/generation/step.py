@@ -270,11 +270,10 @@ def step_tensors(plan: StepPlan, rope: RopeTable, device, act_dtype: torch.dtype
     pt = plan.page_tokens
     rows = np.concatenate([cache_rows(table, positions[i, :lengths[i]], pt) for i, table in enumerate(plan.tables)])
     gather = np.zeros((b, cap), dtype=np.int64)
+    tables = np.zeros((b, max([len(x) for x in plan.tables], default=0) or 1), dtype=np.int32)
     for i, table in enumerate(plan.tables):
         held = min(cap, len(table) * pt)
         gather[i, :held] = cache_rows(table, np.arange(held), pt)
-    tables = np.zeros((b, max([len(x) for x in plan.tables], default=0) or 1), dtype=np.int32)
-    for i, table in enumerate(plan.tables):
         tables[i, :len(table)] = table
     as_t = torch.from_numpy
     return StepTensors(as_t(ids).to(device), cos.to(device, act_dtype), sin.to(device, act_dtype),

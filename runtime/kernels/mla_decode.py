@@ -249,14 +249,20 @@ def num_splits(batch: int, row_blocks: int, max_positions: int, block_n: int, sm
     return max(1, min(want, -(-max(max_positions, 1) // block_n), MAX_SPLITS))
 
 
+def math_constexprs(q_dtype: torch.dtype, pool_dtype: torch.dtype) -> dict:
+    """The constexprs every MLA kernel takes for its numerics: the math dtype's code, whether its dots are 16-bit
+    (tensor cores) and the output dtype's code."""
+    math = math_dtype(q_dtype, pool_dtype)
+    mcode = act_code(math)
+    return dict(MATH=mcode, DOT16=mcode != ACT_F32 and dot16(math), OUT=act_code(q_dtype))
+
+
 def split_constexprs(heads: int, latent_dim: int, rope_dim: int, page_tokens: int, config: MlaDecodeConfig,
                      direct: bool, softmax_scale: float, q_dtype: torch.dtype, pool_dtype: torch.dtype,
                      has_new: bool = False) -> dict:
-    math = math_dtype(q_dtype, pool_dtype)
-    mcode = act_code(math)
     return dict(H=heads, DL=latent_dim, DR=rope_dim, PAGE=page_tokens, BLOCK_M=config.block_m,
-                BLOCK_N=config.block_n, SM_SCALE=float(softmax_scale), MATH=mcode,
-                DOT16=mcode != ACT_F32 and dot16(math), OUT=act_code(q_dtype), DIRECT=direct, HAS_NEW=has_new)
+                BLOCK_N=config.block_n, SM_SCALE=float(softmax_scale), DIRECT=direct, HAS_NEW=has_new,
+                **math_constexprs(q_dtype, pool_dtype))
 
 
 def check_new(new: torch.Tensor | None, q: torch.Tensor, width: int) -> None:

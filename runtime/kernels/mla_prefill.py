@@ -37,8 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from k2trt.runtime.kernels.fp8_linear import ACT_F32, FP_FUSION, act_code, checked_out, dot16, to_act
-from k2trt.runtime.kernels.mla_decode import (KV_LORA_RANK, check_new, math_dtype, mma, online_softmax_step,
+from k2trt.runtime.kernels.fp8_linear import FP_FUSION, checked_out, to_act
+from k2trt.runtime.kernels.mla_decode import (KV_LORA_RANK, check_new, math_constexprs, mma, online_softmax_step,
                                               operand, pool_scale)
 
 
@@ -216,9 +216,7 @@ def mla_prefill(q: torch.Tensor, pool: torch.Tensor, page_tables: torch.Tensor, 
     max_pages = page_tables.shape[1]
     p_cap = max_pages * page_tokens if max_positions is None else min(max_positions, max_pages * page_tokens)
     p_cap = max(p_cap, 1) + (0 if new is None else n_q)
-    math = math_dtype(q.dtype, pool.dtype)
-    mcode = act_code(math)
-    use16 = mcode != ACT_F32 and dot16(math)
+    numerics = math_constexprs(q.dtype, pool.dtype)
     q, pool, wkv = q.contiguous(), pool.contiguous(), wkv.contiguous()
     tables = page_tables.to(torch.int32).contiguous()
     lens = lengths.to(torch.int32).contiguous()
@@ -230,11 +228,11 @@ def mla_prefill(q: torch.Tensor, pool: torch.Tensor, page_tables: torch.Tensor, 
     decompress_kernel[grid](
         pool, scale, tables, lens, news, rows_new, wkv, n_q, max_pages, pool_pages, p_cap, n_cols, kv,
         D=d, DL=latent_dim, PAGE=page_tokens, BLOCK_P=config.decompress_p, BLOCK_N=config.decompress_n,
-        BLOCK_K=config.decompress_k, MATH=mcode, DOT16=use16, OUT=act_code(q.dtype), HAS_NEW=new is not None,
+        BLOCK_K=config.decompress_k, HAS_NEW=new is not None, **numerics,
         num_warps=config.decompress_warps, enable_fp_fusion=FP_FUSION)
     attend_kernel[(b, heads, triton.cdiv(n_q, config.block_m))](
         q, pool, scale, tables, lens, news, rows_new, kv, n_q, max_pages, pool_pages, p_cap, o,
         H=heads, NOPE=nope, DR=rope, DV=v_head_dim, D=d, DL=latent_dim, PAGE=page_tokens, BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n, SM_SCALE=float(softmax_scale), MATH=mcode, DOT16=use16, OUT=act_code(q.dtype),
-        HAS_NEW=new is not None, num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=FP_FUSION)
+        BLOCK_N=config.block_n, SM_SCALE=float(softmax_scale), HAS_NEW=new is not None, **numerics,
+        num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=FP_FUSION)
     return o
