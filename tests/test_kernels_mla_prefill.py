@@ -21,6 +21,11 @@ import torch
 pytest.importorskip("triton", reason="the Triton kernels need the triton package (pip install triton)")
 
 from test_kernels_mla import DTYPES, FP8, _paged  # noqa: E402
+
+# each dtype pair interprets for seconds: bf16 queries over an fp8 pool (both roundings and the scale) runs in the
+# quick loop, the other pairs with the slow tests
+QUICK_PAIR = (torch.bfloat16, FP8)
+PAIRS = [p if p == QUICK_PAIR else pytest.param(*p, marks=pytest.mark.slow) for p in DTYPES]
 from tolerances import TIGHT, assert_close, one_ulp  # noqa: E402
 
 from k2trt.config import tiny  # noqa: E402
@@ -83,7 +88,7 @@ LENGTHS = (63, 64, 130, 127, 128, 1)
 NEW = (63, 10, 70, 1, 64, 1)
 
 
-@pytest.mark.parametrize("q_dtype,pool_dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("q_dtype,pool_dtype", PAIRS, ids=lambda d: str(d).split(".")[-1])
 def test_ragged_chunks_over_pages(q_dtype, pool_dtype):
     _check(_case(LENGTHS, NEW, **SMALL, q_dtype=q_dtype, pool_dtype=pool_dtype), SMALL["v"])
 
@@ -121,7 +126,7 @@ def test_equals_the_block_definition():
     assert_close(dense, ref.transpose(1, 2), TIGHT)
 
 
-@pytest.mark.parametrize("q_dtype,pool_dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("q_dtype,pool_dtype", PAIRS, ids=lambda d: str(d).split(".")[-1])
 def test_the_steps_rows_dense_beside_the_pool(q_dtype, pool_dtype):
     """How a block graph reads the pool in place: contexts from the pool around page boundaries (one empty: a
     whole prompt in one chunk), the chunk's rows — ragged, 5, 1, 5, 0 and 3 real — from the step's tensor, exact
@@ -135,7 +140,8 @@ def test_the_steps_rows_dense_beside_the_pool(q_dtype, pool_dtype):
 
 @pytest.mark.parametrize("config", [
     mla.MlaPrefillConfig(block_m=16, block_n=64, decompress_p=32, decompress_n=128, decompress_k=128),
-    mla.MlaPrefillConfig(block_m=32, block_n=16, decompress_p=32, decompress_n=32, decompress_k=128),
+    pytest.param(mla.MlaPrefillConfig(block_m=32, block_n=16, decompress_p=32, decompress_n=32, decompress_k=128),
+                 marks=pytest.mark.slow),
 ], ids=["m16-n64", "m32-n16"])
 def test_tiles(config):
     """Query blocks smaller and larger than a chunk's, position steps of a page and of a quarter page."""
