@@ -56,16 +56,17 @@ def paged_io(cfg: K2Config, kind: str, act: str) -> tuple[list, list]:
 
 def build_block_graph(cfg: K2Config, kind: str, act_dtype: str = "float32", activation_quant: int = 1,
                       experts: int | None = None, branches: bool = False, paged: bool = False,
-                      page_tokens: int = 64):
+                      page_tokens: int = 64, large: bool = False):
     """The TensorRT-bound graph of one block kind (custom FP8 nodes for TensorRT's plugins), or of a MoE block's
     part (config.MOE_PART_KINDS; `experts`: the routed experts of one expert-parallel rank, for moe_experts).
     branches: the shape branches of graphs/blocks.py as If nodes (the graph ONNX Runtime's form is lowered from);
-    without, their small form only (attention absorbed at every T), as TensorRT takes no control flow.
+    without, one form only, as TensorRT takes no control flow: the small (attention absorbed: decode), or with
+    `large` the large (attention decompressed: prefill).
     paged: the attention kinds read the layer's pool in place (paged_io; the MlaPagedDecode node, pages of
     `page_tokens` positions) instead of a gathered cache and its mask."""
     if kind not in BLOCK_KINDS + MOE_PART_KINDS:
         raise ValueError(f"unknown block kind {kind!r}; expected one of {BLOCK_KINDS + MOE_PART_KINDS}")
-    ops = OnnxOps(act_dtype, OPSET, branches)
+    ops = OnnxOps(act_dtype, OPSET, branches, large)
     ins, outs = (paged_io if paged else activation_io)(cfg, kind, act_dtype)
     a = {name: ops.input(name, dt, shape) for name, dt, shape in ins}
     if paged:

@@ -11,11 +11,11 @@ from k2trt.dirlock import writing
 from k2trt.errors import K2Error
 from k2trt.export import manifest_writer as M
 from k2trt.config import BLOCK_KINDS, MOE_PART_KINDS, check_expert_parallel, expert_range
-from k2trt.export.block_graphs import activation_io, build_block_graph
+from k2trt.export.block_graphs import activation_io, build_block_graph, paged_io
 from k2trt.export.checks import check_onnx, check_trt_operators
 from k2trt.export.lower_ort import lower_for_ort
 from k2trt.export.onnx_ops import weight_prep
-from k2trt.export.split_moe import split_moe
+from k2trt.export.trt_form import attends, engine_name, engine_names, forms, tensorrt_graph
 from k2trt.graphs.fp8 import PER_TOKEN_GROUP, WEIGHT_DEQUANT
 
 
@@ -23,23 +23,24 @@ def export_kind(cfg: K2Config, out: Path, kind: str, act_dtype: str, activation_
                 expert_ranges: int = 1, expert_parallel: int = 1) -> dict[str, dict]:
     """Both forms of one block kind (or MoE part), checked and written; -> {manifest key: graph entry}."""
     first, stop = expert_range(cfg, expert_parallel, 0)
-    recorded = build_block_graph(cfg, kind, act_dtype, activation_quant, stop - first)
-    # one plugin per kernel (every node has an AOT implementation); expert ranges: export/split_moe.py
-    trt_model = split_moe(recorded, expert_ranges)
-    check_onnx(trt_model, f"trt/{kind}")
-    check_trt_operators(trt_model, f"trt/{kind}")
+    entries = {}
+    # TensorRT: one plugin per kernel (export/trt_form.py), the pool read in place, a graph per attention form
+    trt_acts = {name for name, _, _ in (paged_io if attends(kind) else activation_io)(cfg, kind, act_dtype)[0]}
+    for form in forms(kind):
+        key = f"trt/{engine_name(kind, form)}"
+        trt_model = tensorrt_graph(cfg, kind, act_dtype, activation_quant, stop - first, expert_ranges, form)
+        check_onnx(trt_model, key)
+        check_trt_operators(trt_model, key)
+        entries[key] = M.write_graph(out, key, kind, "tensorrt", trt_model, weight_prep(trt_model), activation_quant,
+                                     trt_acts)
     # ONNX Runtime's form branches on the step's shape (attention decompressed for a prefill chunk)
     ort_model = lower_for_ort(build_block_graph(cfg, kind, act_dtype, activation_quant, stop - first, branches=True),
                               act_dtype)
     check_onnx(ort_model, f"ort/{kind}")
     acts = {name for name, _, _ in activation_io(cfg, kind, act_dtype)[0]}
-    entries = {
-        f"trt/{kind}": M.write_graph(out, f"trt/{kind}", kind, "tensorrt", trt_model, weight_prep(trt_model),
-                                     activation_quant, acts),
-        # The lowering computes with dequantized weights: the W8A16 convention.
-        f"ort/{kind}": M.write_graph(out, f"ort/{kind}", kind, "onnxruntime", ort_model, weight_prep(ort_model),
-                                     WEIGHT_DEQUANT, acts),
-    }
+    # The lowering computes with dequantized weights: the W8A16 convention.
+    entries[f"ort/{kind}"] = M.write_graph(out, f"ort/{kind}", kind, "onnxruntime", ort_model, weight_prep(ort_model),
+                                           WEIGHT_DEQUANT, acts)
     if kind == "moe_experts":  # its R rows: what a rank may receive (runtime/tensorrt/profiles.py sizes them)
         for entry in entries.values():
             entry["dispatch"] = {"top_k": cfg.num_experts_per_tok, "ranks": expert_parallel}
@@ -50,6 +51,8 @@ def export(cfg: K2Config, out: Path, act_dtype: str = "float32", activation_quan
            force: bool = False, log=print, expert_ranges: int = 1, expert_parallel: int = 1) -> dict:
     """Write trt/<kind>.onnx, ort/<kind>.onnx and manifest.json under `out`; returns the manifest. Kinds whose
     graphs are up to date (same config, dtype, mode, expert ranges, expert parallelism and exporter code) are kept.
+    The TensorRT form of a kind with attention reads the layer's pool in place and comes as two graphs,
+    trt/<kind> (decode: attention absorbed) and trt/<kind>.prefill (attention decompressed): export/trt_form.py.
     expert_ranges > 1: the TensorRT form's routed experts in that many ranges of weight inputs
     (export/split_moe.py). expert_parallel E > 1: also the MoE block's parts for E expert-parallel ranks
     (config.MOE_PART_KINDS), the experts graph holding 1/E of the routed experts."""
@@ -70,7 +73,7 @@ def _export(cfg: K2Config, out: Path, act_dtype: str, activation_quant: int, for
     t_all = time.perf_counter()
     kinds = BLOCK_KINDS + (MOE_PART_KINDS if expert_parallel > 1 else ())
     for i, kind in enumerate(kinds, 1):
-        keys = (f"trt/{kind}", f"ort/{kind}")
+        keys = (*(f"trt/{name}" for name in engine_names((kind,))), f"ort/{kind}")
         if not force and previous and all(M.entry_is_current(out, previous["graphs"].get(k)) for k in keys):
             graphs.update({k: previous["graphs"][k] for k in keys})
             log(f"[{i}/{len(kinds)}] {kind}: up to date")

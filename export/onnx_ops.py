@@ -108,10 +108,11 @@ class Sym:
 
 
 class OnnxOps:
-    def __init__(self, act_dtype: str = "float32", opset: int = 21, branches: bool = True):
+    def __init__(self, act_dtype: str = "float32", opset: int = 21, branches: bool = True, large: bool = False):
         self.act_dtype = act_dtype
         self.opset = opset
-        self.branches = branches  # choose_by_dim as an If (ONNX Runtime); False: its small form only (TensorRT)
+        self.branches = branches  # choose_by_dim as an If (ONNX Runtime); False: one form only (TensorRT)
+        self.large = large  # without branches: the large form (prefill: attention decompressed), else the small
         self.nodes: list[onnx.NodeProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
@@ -214,10 +215,10 @@ class OnnxOps:
     def choose(self, cond, then, otherwise):
         """An If on cond() (a one-element bool computed from shapes), its branches recorded from then() and
         otherwise() (their nodes read the outer graph's values by name; their constants join the outer graph's
-        initializers). Without branches only otherwise() is recorded: TensorRT-bound graphs hold no control flow
-        (export/checks.py)."""
+        initializers). Without branches only one is recorded, then() if `large` else otherwise(): TensorRT-bound
+        graphs hold no control flow (export/checks.py), so each form is a graph (and an engine) of its own."""
         if not self.branches:
-            return otherwise()
+            return then() if self.large else otherwise()
         graphs, result = [], None
         for hint, record in (("then", then), ("else", otherwise)):
             outer, self.nodes = self.nodes, []

@@ -14,7 +14,8 @@ Three families:
     attention over a layer's latent pool read through the page tables, the step's rows beside it. graphs/blocks.py
     records them given a PagedCache (the torch reference runs every step so; export/block_graphs.py with
     paged=True); the ONNX Runtime lowering replaces them (tests/test_paged_node.py: both agree with the gathered
-    form); TensorRT is to expand each into two kernels of runtime/aot/mla.py (not built yet).
+    form); for TensorRT export/split_attention.py expands each into two of the MLA_STAGES, a kernel of
+    runtime/aot/mla.py each.
 Tests check that the exporter, the references, the lowering, the split and the plugins agree with this table.
 
 A node maps to a `tensorrt.plugin` plugin when its op_type equals the plugin name and its string attribute
@@ -272,7 +273,7 @@ MLA_PAGED_DECODE = NodeContract(
         Attribute("page_tokens", "int", None, "positions per page (runtime/cache/pages.PAGE_TOKENS)"),
         Attribute("latent_dim", "int", None, "L, kv_lora_rank (the rest of a row is the rope key)"),
     ),
-    tensorrt="to be expanded into the decode split and merge kernels (runtime/aot/mla.py); not built yet",
+    tensorrt="expanded into MlaDecodeSplit → MlaDecodeMerge by export/split_attention.py",
 )
 MLA_PAGED_PREFILL = NodeContract(
     op_type="MlaPagedPrefill",
@@ -299,13 +300,79 @@ MLA_PAGED_PREFILL = NodeContract(
         Attribute("rope_dim", "int", None, "R, qk_rope_head_dim"),
         Attribute("v_head_dim", "int", None, "v"),
     ),
-    tensorrt="to be expanded into the decompress and attend kernels (runtime/aot/mla.py); not built yet",
+    tensorrt="expanded into MlaDecompress → MlaAttend by export/split_attention.py",
 )
 PAGED = (MLA_PAGED_DECODE, MLA_PAGED_PREFILL)
+
+# ---- the paged attention in the TensorRT-bound graphs: one kernel each (runtime/aot/mla.py) ------------------
+# Each port list is its kernel's pointer parameters in order (TensorRT launches an AOT kernel with its inputs, the
+# int32 scalars aot_impl returns, then its outputs). kv_scale: the pool's per-tensor scale, 1 for a pool in the
+# activation dtype (the graphs' pools; an fp8 pool is the kernels' other form). S: the decode's context splits,
+# a function of B, T and max_pages (runtime/tensorrt/plugins.decode_splits).
+
+_POOL_PORTS = (
+    Port("kv_pool", ACTIVATION_DTYPES, "[rows, L + R]", "the layer's pool, read in place"),
+    Port("kv_scale", ("float32",), "[1]", "the pool's scale (1 unless the pool is fp8)"),
+    Port("page_table", ("int32",), "[B, max_pages]"),
+    Port("ctx_lens", ("int32",), "[B]", "positions already in the pool"),
+)
+_SOFTMAX_SCALE = Attribute("softmax_scale", "float", None, "the model's: qk_head_dim^-0.5, times YaRN's mscale²")
+_PAGE_TOKENS = Attribute("page_tokens", "int", None, "positions per page (runtime/cache/pages.PAGE_TOKENS)")
+_LATENT = Attribute("latent_dim", "int", None, "L, kv_lora_rank")
+_HEADS = Attribute("heads", "int", None, "H")
+_SHAPE_ATTRIBUTES = (_HEADS, Attribute("nope_dim", "int", None, "nope"), Attribute("rope_dim", "int", None, "R"),
+                     Attribute("v_head_dim", "int", None, "v"))
+
+MLA_DECODE_SPLIT = NodeContract(
+    op_type="MlaDecodeSplit",
+    doc=("Stage 1 of MlaPagedDecode (flash-decoding): sequence b's context positions are dealt in equal runs over S "
+         "splits; split s attends its run (the last split also the step's rows) as MlaPagedDecode does and leaves "
+         "its partial softmax: m, the running max of the scores in base 2 (score · softmax_scale · log2 e; -1e30 "
+         "for an empty split), l = Σ 2^(score − m), acc = Σ 2^(score − m) · row[:L], all float32."),
+    inputs=(Port("q_full", ACTIVATION_DTYPES, "[B, T, H, L + R]"), *_POOL_PORTS,
+            Port("latent_new", ACTIVATION_DTYPES, "[B, T, L + R]", "this step's rows"),
+            Port("n_new", ("int32",), "[B]", "real rows of latent_new (≤ T)")),
+    outputs=(Port("part_acc", ("float32",), "[B, T, H, S, L]"), Port("part_ml", ("float32",), "[B, T, H, S, 2]",
+                                                                      "(m, l) per split")),
+    attributes=(_SOFTMAX_SCALE, _PAGE_TOKENS, _LATENT, _HEADS),
+)
+MLA_DECODE_MERGE = NodeContract(
+    op_type="MlaDecodeMerge",
+    doc=("Stage 2 of MlaPagedDecode: o_lat = Σ_s acc_s · 2^(m_s − M) / Σ_s l_s · 2^(m_s − M), M = max_s m_s, in "
+         "float32, rounded to the activation dtype; a row with nothing attended (every l_s = 0) gets 0."),
+    inputs=(Port("part_acc", ("float32",), "[B, T, H, S, L]"), Port("part_ml", ("float32",), "[B, T, H, S, 2]")),
+    outputs=(Port("o_lat", ACTIVATION_DTYPES, "[B, T, H, L]", "the dtype out_dtype names"),),
+    attributes=(Attribute("out_dtype", "int", None, "the activation dtype as an ONNX element type (as Cast's `to`): "
+                                                   "no input carries it"),),
+)
+MLA_DECOMPRESS = NodeContract(
+    op_type="MlaDecompress",
+    doc=("Stage 1 of MlaPagedPrefill: every position of sequence b (its ctx_lens[b] pool rows through the page "
+         "table, then latent_new[b, :n_new[b]]) through kv_b: kv[b, p] = row_p[:L] · kv_bᵀ (· kv_scale for pool "
+         "rows), accumulated in float32 and rounded to the activation dtype; rows past a sequence's positions are "
+         "not written (MlaAttend never reads them)."),
+    inputs=(*_POOL_PORTS, Port("n_new", ("int32",), "[B]"), Port("latent_new", ACTIVATION_DTYPES, "[B, T, L + R]"),
+            Port("kv_b", ACTIVATION_DTYPES, "[H · (nope + v), L]")),
+    outputs=(Port("kv", ACTIVATION_DTYPES, "[B, max_pages · page_tokens + T, H · (nope + v)]",
+                  "per head its key's nope part, then its value"),),
+    attributes=(_PAGE_TOKENS, _LATENT, *_SHAPE_ATTRIBUTES),
+)
+MLA_ATTEND = NodeContract(
+    op_type="MlaAttend",
+    doc=("Stage 2 of MlaPagedPrefill: causal attention per head over the decompressed rows, the rope key read from "
+         "the pool (or latent_new) where it lies: query j < n_new[b] sees positions ≤ ctx_lens[b] + j; scores and "
+         "softmax in float32; o in the activation dtype, 0 for queries j ≥ n_new[b]."),
+    inputs=(Port("q", ACTIVATION_DTYPES, "[B, T, H, nope + R]"), *_POOL_PORTS, Port("n_new", ("int32",), "[B]"),
+            Port("latent_new", ACTIVATION_DTYPES, "[B, T, L + R]"),
+            Port("kv", ACTIVATION_DTYPES, "[B, P, H · (nope + v)]", "as MlaDecompress writes it")),
+    outputs=(Port("o", ACTIVATION_DTYPES, "[B, T, H, v]"),),
+    attributes=(_SOFTMAX_SCALE, _PAGE_TOKENS, _LATENT, *_SHAPE_ATTRIBUTES),
+)
+MLA_STAGES = (MLA_DECODE_SPLIT, MLA_DECODE_MERGE, MLA_DECOMPRESS, MLA_ATTEND)
 # what graphs/blocks.py records; MoeCombine only in the combine of a MoE block split for expert parallelism
 RECORDED = (FP8_BLOCK_LINEAR, MOE_FP8, MOE_INT4, MOE_COMBINE)
 # the nodes of the TensorRT-bound graphs: one plugin each
-TENSORRT = (FP8_BLOCK_LINEAR, *MOE_STAGES, MOE_GATE_UP_INT4, MOE_DOWN_INT4)
+TENSORRT = (FP8_BLOCK_LINEAR, *MOE_STAGES, MOE_GATE_UP_INT4, MOE_DOWN_INT4, *MLA_STAGES)
 CONTRACTS = {c.op_type: c for c in (*RECORDED, *TENSORRT, *PAGED)}
 
 

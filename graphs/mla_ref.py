@@ -95,3 +95,66 @@ def paged_mla_prefill_reference(q: torch.Tensor, pool: torch.Tensor, page_tables
         scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
         out[i, :t] = torch.einsum("qhn,nhd->qhd", torch.softmax(scores, dim=-1), kv[..., nope:])
     return out.to(q.dtype)
+
+
+# ---- the TensorRT plugins' stages (graphs/contracts.MLA_STAGES), each on its own -----------------------------
+
+LOG2E = 1.4426950408889634
+EMPTY_MAX = -1.0e30  # an empty split's running max (finite, so the merge weighs it 0 without NaN)
+
+
+def split_partials_reference(q: torch.Tensor, pool: torch.Tensor, page_tables: torch.Tensor, lengths: torch.Tensor,
+                             new: torch.Tensor, n_new: torch.Tensor, softmax_scale: float, page_tokens: int,
+                             splits: int, latent_dim: int = 512, kv_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """MlaDecodeSplit: sequence b's context pages dealt in equal runs over `splits` (run = ceil(pages / splits)
+    pages; the last split also the step's rows new[b, :n_new[b]]), each split's partial softmax of each (query,
+    head) in base 2: m = max of score · softmax_scale · log2 e over what it sees (EMPTY_MAX if nothing),
+    l = Σ 2^(s − m), acc = Σ 2^(s − m) · row[:latent], in fp32. -> part_acc [B, Q, H, S, latent], part_ml
+    [B, Q, H, S, 2]."""
+    b, n_q, heads, _ = q.shape
+    kv_all = dequantized(pool, kv_scale)
+    acc = torch.zeros(b, n_q, heads, splits, latent_dim)
+    ml = torch.zeros(b, n_q, heads, splits, 2)
+    ml[..., 0] = EMPTY_MAX
+    for i in range(b):
+        ctx, real = int(lengths[i]), int(n_new[i])
+        rows = torch.cat([kv_all[paged_rows(page_tables[i], ctx, page_tokens)], new[i, :real].float()])
+        run = -(-(-(-ctx // page_tokens)) // splits) * page_tokens  # positions per split
+        for s in range(splits):
+            lo, hi = min(s * run, ctx), min((s + 1) * run, ctx)
+            idx = list(range(lo, hi)) + (list(range(ctx, ctx + real)) if s == splits - 1 else [])
+            for j in range(real):
+                seen = [p for p in idx if p < ctx + j + 1]
+                if not seen:
+                    continue
+                part = rows[seen]  # [n, latent + rope]
+                scores = torch.einsum("hd,nd->hn", q[i, j].float(), part) * (softmax_scale * LOG2E)
+                m = scores.max(dim=-1).values
+                p = torch.exp2(scores - m[:, None])
+                acc[i, j, :, s] = p @ part[:, :latent_dim]
+                ml[i, j, :, s, 0], ml[i, j, :, s, 1] = m, p.sum(-1)
+    return acc, ml
+
+
+def merge_partials_reference(part_acc: torch.Tensor, part_ml: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MlaDecodeMerge: o = Σ_s acc_s · 2^(m_s − M) / Σ_s l_s · 2^(m_s − M), M = max_s m_s; 0 where every l_s = 0."""
+    m, l = part_ml[..., 0], part_ml[..., 1]
+    w = torch.exp2(m - m.max(dim=-1, keepdim=True).values)
+    total = (l * w).sum(-1, keepdim=True)
+    o = (part_acc * w[..., None]).sum(-2) / torch.where(total > 0, total, torch.ones_like(total))
+    return o.to(dtype)
+
+
+def decompress_reference(pool: torch.Tensor, page_tables: torch.Tensor, lengths: torch.Tensor, n_new: torch.Tensor,
+                         new: torch.Tensor, wkv: torch.Tensor, page_tokens: int, positions: int,
+                         latent_dim: int = 512, kv_scale=None) -> torch.Tensor:
+    """MlaDecompress: kv [B, positions, H · (nope + v)] in wkv's dtype, row p of sequence b its position p's latent
+    through wkv (pool rows · kv_scale); NaN past the sequence's positions (the contract leaves them unwritten)."""
+    b = page_tables.shape[0]
+    kv_all = dequantized(pool, kv_scale)
+    out = torch.full((b, positions, wkv.shape[0]), float("nan"))
+    for i in range(b):
+        ctx, real = int(lengths[i]), int(n_new[i])
+        rows = torch.cat([kv_all[paged_rows(page_tables[i], ctx, page_tokens)], new[i, :real].float()])
+        out[i, :ctx + real] = rows[:, :latent_dim] @ wkv.float().T
+    return out.to(wkv.dtype)

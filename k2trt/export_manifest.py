@@ -12,7 +12,7 @@ from k2trt.errors import K2Error
 from k2trt.files import member, read_json_object, sha256_file
 from k2trt.schema import ListOf, MapOf, check
 
-FORMAT = "k2trt-export/1"
+FORMAT = "k2trt-export/2"  # 2: TensorRT graphs read the pool in place, a prefill form per attention kind
 
 # What the runtime and the engine builder read from a manifest; read_manifest checks it all before they do.
 IO_SCHEMA = ListOf({"name": str, "dtype": str, "shape": ListOf((str, int))})

@@ -18,6 +18,7 @@ from k2trt.export.exporter import export
 from k2trt.export_manifest import read_manifest
 from k2trt.export.onnx_ops import elem as onnx_elem, value_types
 from k2trt.export.split_moe import split_moe
+from k2trt.export.trt_form import tensorrt_graph
 from k2trt.graphs.fp8 import quantize_weight as ref_quantize
 from k2trt.graphs import blocks, contracts
 from k2trt.graphs import weights as W
@@ -168,7 +169,8 @@ def test_real_size_graph_weight_inputs_add_up():
 def test_export_writes_manifest_and_skips_up_to_date(tmp_path):
     lines = []
     m = export(TINY, tmp_path, "float32", log=lines.append)
-    assert set(m["graphs"]) == {f"{form}/{k}" for form in ("trt", "ort") for k in BLOCK_KINDS}
+    assert set(m["graphs"]) == {f"{form}/{k}" for form in ("trt", "ort") for k in BLOCK_KINDS} | {
+        "trt/dense_block.prefill", "trt/moe_block.prefill"}  # the attention kinds' decompressed forms
     assert m["layers"] == {"embedding": [], "dense_block": [0], "moe_block": [1, 2, 3], "head": []}
     assert m["opset"] == 20 and m["ir_version"] == 10 and m["config_fingerprint"] == TINY.fingerprint()
     assert read_manifest(tmp_path)["graphs"]["trt/moe_block"]["inputs"][0]["shape"] == ["B", "T", 128]
@@ -183,7 +185,8 @@ def test_dynamic_dims_are_named_the_same_everywhere(random_export):
     for entry in m["graphs"].values():
         for io in entry["inputs"] + entry["outputs"]:
             for d in io["shape"]:
-                assert isinstance(d, int) or d in ("B", "T", "P", "P+T"), (entry["file"], io)
+                # P: a gathered cache's slots (ONNX Runtime); pages, rows: the page tables and the pool (TensorRT)
+                assert isinstance(d, int) or d in ("B", "T", "P", "P+T", "pages", "rows"), (entry["file"], io)
 
 
 def _follows_contract(node, seen: set) -> None:
@@ -207,11 +210,12 @@ def test_custom_nodes_follow_their_contracts():
 
 @pytest.mark.parametrize("act, aq", [("bfloat16", 1), ("float32", 0)])
 def test_trt_graphs_hold_one_plugin_per_kernel(act, aq):
-    """The TensorRT-bound form: MoeFp8 expanded, every custom node a TensorRT contract, dtypes as the contract
-    says for this activation dtype and FP8 mode (shape inference runs through the annotations)."""
+    """The TensorRT-bound form, both attention forms: MoeFp8 and the paged attention expanded, every custom node a
+    TensorRT contract, dtypes as the contract says for this activation dtype and FP8 mode (shape inference runs
+    through the annotations)."""
     seen = set()
-    for cfg in (TINY, tiny_int4()):
-        model = split_moe(build_block_graph(cfg, "moe_block", act, aq))
+    for cfg, form in ((TINY, "decode"), (TINY, "prefill"), (tiny_int4(), "decode")):
+        model = tensorrt_graph(cfg, "moe_block", act, aq, form=form)
         check_trt_operators(model, "trt/moe_block")
         types = {name: t.elem_type for name, t in value_types(model).items()}
         for node in model.graph.node:

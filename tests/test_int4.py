@@ -355,7 +355,8 @@ def test_tensorrt_form_of_an_int4_block_binds_packed_weights(tmp_path):
     export(cfg, tmp_path, "bfloat16", 1, log=lambda *a: None)
     entry = export_manifest.read_manifest(tmp_path)["graphs"]["trt/moe_block"]
     prefill, _ = graph_profiles(ProfileSpec(), entry)
-    assert set(prefill.shapes) == {"hidden_states", "rope_cos", "rope_sin", "attention_mask", "latent_cache"}
+    assert set(prefill.shapes) == {"hidden_states", "rope_cos", "rope_sin", "kv_pool", "page_table", "ctx_lens",
+                                   "n_new"}  # the pool read in place
     up = upload_weights(entry, RandomWeights(cfg).block_weights(1), torch.bfloat16, "cpu")
     assert up["mlp.experts.gate_proj.weight_packed"].dtype == torch.int32
     assert up["mlp.experts.gate_proj.weight_packed"].shape == (cfg.n_routed_experts, 128, 16)

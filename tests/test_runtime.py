@@ -251,7 +251,7 @@ def test_chat_stop_ends_the_reply_and_the_history_keeps_it_cut(tiny_ckpt, tiny_e
 @pytest.mark.parametrize("damage, message", [
     (lambda d: (d / "ort" / "head.onnx").write_bytes(b"not a graph"), "changed since export"),
     (lambda d: (d / "ort" / "head.onnx").unlink(), "missing (re-export)"),
-    (lambda d: (d / "manifest.json").write_text('{"format": "k2trt-export/1"}'), "missing config_fingerprint"),
+    (lambda d: (d / "manifest.json").write_text('{"format": "k2trt-export/2"}'), "missing config_fingerprint"),
     (lambda d: (d / "manifest.json").write_text("[1, 2]"), "expected a JSON object"),
 ])
 def test_damaged_export_gives_one_clear_line(tiny_ckpt, tiny_export, tmp_path, capsys, damage, message):

@@ -6,6 +6,7 @@ launch it (under Triton's interpreter) and compiled to PTX, and the one-line err
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
 import importlib.util
 import inspect
 import json
@@ -85,12 +86,19 @@ def exported(tmp_path_factory):
 
 
 def test_profiles_of_an_exported_block_graph(exported):
-    entry = export_manifest.read_manifest(exported)["graphs"]["trt/moe_block"]
-    prefill, decode = graph_profiles(ProfileSpec(), entry)
-    assert set(prefill.shapes) == {"hidden_states", "rope_cos", "rope_sin", "attention_mask", "latent_cache"}
-    assert prefill.shapes["attention_mask"].max == (8, 2048, 4096 + 2048)
-    assert decode.shapes["latent_cache"].opt == (1, 1024, TINY.latent_dim)
-    assert decode.shapes["rope_cos"].max == (8, 1, TINY.qk_rope_head_dim // 2)
+    """The pool read in place: no P (no gathered cache, no mask) — the page tables up to --max-seq in pages, the
+    pool up to --max-batch sequences at --max-seq (the runtime's default pool); both forms alike."""
+    graphs = export_manifest.read_manifest(exported)["graphs"]
+    for key in ("trt/moe_block", "trt/moe_block.prefill"):
+        prefill, decode = graph_profiles(ProfileSpec(), graphs[key])
+        assert set(prefill.shapes) == {"hidden_states", "rope_cos", "rope_sin", "kv_pool", "page_table",
+                                       "ctx_lens", "n_new"}
+        assert prefill.shapes["page_table"] == ShapeRange((1, 1), (1, 1024 // 64), (8, 4096 // 64))
+        assert decode.shapes["kv_pool"] == ShapeRange((64, TINY.latent_dim), (1024, TINY.latent_dim),
+                                                      (8 * 4096, TINY.latent_dim))
+        assert decode.shapes["ctx_lens"].max == (8,)
+        assert decode.shapes["rope_cos"].max == (8, 1, TINY.qk_rope_head_dim // 2)
+        assert ProfileSpec().pool_pages * 64 == 8 * 4096
 
 
 def test_profiles_of_the_expert_parallel_parts(tmp_path):
@@ -106,8 +114,8 @@ def test_profiles_of_the_expert_parallel_parts(tmp_path):
     assert decode.shapes["expert_ids"] == ShapeRange((1,), (8,), (4 * 8 * 8,))
     combine = graph_profiles(spec, m["graphs"]["trt/moe_combine"])[0]
     assert combine.shapes["pair_out"].max == (8 * 2048 * 8, TINY.hidden_size)
-    assert graph_profiles(spec, m["graphs"]["trt/moe_front"])[1].shapes["latent_cache"].max == \
-        (8, 4096, TINY.latent_dim)
+    for key in ("trt/moe_front", "trt/moe_front.prefill"):  # the front attends: both forms, the pool in place
+        assert graph_profiles(spec, m["graphs"][key])[1].shapes["kv_pool"].max == (8 * 4096, TINY.latent_dim)
 
 
 def test_defaults_and_flags():
@@ -309,22 +317,27 @@ def test_plugin_functions_have_the_signatures_tensorrt_checks():
 
 FP8_MOE_NODES = {c.op_type for c in (contracts.FP8_BLOCK_LINEAR, *contracts.MOE_STAGES)}
 INT4_MOE_NODES = {c.op_type for c in contracts.MOE_INT4_STAGES}  # attention and the shared expert are bf16 MatMuls
+DECODE_NODES = {"MlaDecodeSplit", "MlaDecodeMerge"}  # the paged attention, absorbed
+PREFILL_NODES = {"MlaDecompress", "MlaAttend"}  # and decompressed
 
 
 # presets by name: an INT4 config's quantization is parsed by compressed-tensors, an import of seconds that
 # collecting the suite should not pay
-@pytest.mark.parametrize("preset, kind, act, aq, nodes", [
-    ("tiny", "moe_block", "bfloat16", 1, FP8_MOE_NODES), ("tiny", "moe_block", "float16", 0, FP8_MOE_NODES),
-    ("tiny", "dense_block", "float32", 1, {"Fp8BlockLinear"}),
-    ("tiny-int4", "moe_block", "bfloat16", 1, INT4_MOE_NODES),
-    ("tiny-int4", "moe_block", "float32", 0, INT4_MOE_NODES)])
-def test_exported_nodes_match_the_plugins(preset, kind, act, aq, nodes):
+@pytest.mark.parametrize("preset, kind, form, act, aq, nodes", [
+    ("tiny", "moe_block", "decode", "bfloat16", 1, FP8_MOE_NODES | DECODE_NODES),
+    ("tiny", "moe_block", "prefill", "float16", 0, FP8_MOE_NODES | PREFILL_NODES),
+    ("tiny", "dense_block", "decode", "float32", 1, {"Fp8BlockLinear"} | DECODE_NODES),
+    ("tiny", "dense_block", "prefill", "bfloat16", 1, {"Fp8BlockLinear"} | PREFILL_NODES),
+    ("tiny-int4", "moe_block", "decode", "bfloat16", 1, INT4_MOE_NODES | DECODE_NODES),
+    ("tiny-int4", "moe_block", "prefill", "float32", 0, INT4_MOE_NODES | PREFILL_NODES)])
+def test_exported_nodes_match_the_plugins(preset, kind, form, act, aq, nodes):
     """Each node of a TensorRT-bound graph: the plugin's attributes, dtypes (as register derives them) and output
-    shapes (its rule against the exporter's annotation, at two values of B and T)."""
-    from k2trt.export.split_moe import split_moe
+    shapes (its rule against the exporter's annotation, at two values of B and T; the decode's splits S as the
+    rule computes them)."""
+    from k2trt.export.trt_form import tensorrt_graph
 
     cfg = K2Config.preset(preset)
-    model = split_moe(build_block_graph(cfg, kind, act, aq))
+    model = tensorrt_graph(cfg, kind, act, aq, form=form)
     types = value_types(model)
     specs = plugins.plugin_specs()
     custom = [n for n in model.graph.node if n.domain == contracts.NAMESPACE]
@@ -342,8 +355,10 @@ def test_exported_nodes_match_the_plugins(preset, kind, act, aq, nodes):
             plugins.io_dtypes(node.op_type, act, aq)[len(node.input):]
         if any(isinstance(d, str) and d.startswith("unk") for v in node.input for d in dims(types[v])):
             continue  # shape inference lost a dim (TopK's k is an input): the node cases check those plugins
-        for b, t in ((1, 1), (2, 3)):
-            concrete = lambda shape: [eval_dim(d, {"B": b, "T": t}) for d in shape]  # noqa: E731
+        for b, t, pages in ((1, 1, 1), (2, 3, 40)):
+            named = {"B": b, "T": t, "pages": pages, "rows": 4096,
+                     "S": plugins.decode_splits(b, t, cfg.num_attention_heads, pages, 64)}
+            concrete = lambda shape: [eval_dim(d, named) for d in shape]  # noqa: E731
             rule = plugins.output_shapes(node.op_type, [concrete(dims(types[v])) for v in node.input], values)
             assert rule == [concrete(dims(types[v])) for v in node.output], node.name
 
@@ -362,6 +377,19 @@ def test_aot_attribute_is_written_on_every_plugin_node(tmp_path):
             values = [a.i for a in node.attribute if a.name == "aot"]
             assert values == ([int(aot)] if node.domain == contracts.NAMESPACE else []), node.name
         assert used == {op: "aot" if aot else "jit" for op in sorted(FP8_MOE_NODES)}
+
+
+def test_mla_stages_run_jit_where_they_have_no_aot_form(tmp_path):
+    """In a float32 engine the paged attention's plugins run JIT (no tile fits an AOT launch's 48 KiB:
+    runtime/aot/mla.AOT_ACTIVATIONS); every other plugin, and every plugin in bfloat16, stays AOT."""
+    for act, mla in (("float32", "jit"), ("bfloat16", "aot")):
+        for form, stages in (("decode", DECODE_NODES), ("prefill", PREFILL_NODES)):
+            path = tmp_path / f"{act}-{form}.onnx"
+            onnx.save_model(_trt_graph("moe_block", act, 1, form), str(path))
+            data, used = B.with_aot_attribute(path, True)
+            assert used == {op: mla if op in stages else "aot" for op in sorted(FP8_MOE_NODES | stages)}
+            for node in _plugin_nodes(onnx.load_from_string(data)):
+                assert [a.i for a in node.attribute if a.name == "aot"] == [int(used[node.op_type] == "aot")]
 
 
 def test_cuda_array_interface_for_types_tensorrt_refuses():
@@ -395,7 +423,10 @@ def standin(monkeypatch):
 def _install(monkeypatch, trtp):
     from k2trt.runtime.tensorrt import environment
 
-    trt = argparse.Namespace(DataType=S.DataType, plugin=trtp, __version__=".".join(map(str, trtp.version)) + ".0")
+    trt = argparse.Namespace(DataType=S.DataType, plugin=trtp, __version__=".".join(map(str, trtp.version)) + ".0",
+                             # a module in sys.modules has a spec: importlib.util.find_spec (torch._dynamo's import
+                             # of compressed-tensors' dependencies) raises on one without
+                             __spec__=importlib.machinery.ModuleSpec("tensorrt", None))
     monkeypatch.setattr(environment, "import_tensorrt_plugin", lambda: (trt, trtp))
     monkeypatch.setattr(plugins, "_REGISTERED", set())
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
@@ -403,10 +434,10 @@ def _install(monkeypatch, trtp):
     return trtp
 
 
-def _trt_graph(kind="moe_block", act="bfloat16", aq=1) -> onnx.ModelProto:
-    from k2trt.export.split_moe import split_moe
+def _trt_graph(kind="moe_block", act="bfloat16", aq=1, form="decode") -> onnx.ModelProto:
+    from k2trt.export.trt_form import tensorrt_graph
 
-    return split_moe(build_block_graph(TINY, kind, act, aq))
+    return tensorrt_graph(TINY, kind, act, aq, form=form)
 
 
 def _plugin_nodes(model):
@@ -421,8 +452,9 @@ def test_register_plugins_passes_tensorrts_validation(standin):
         assert list(pdef.input_attrs) == spec.attribute_names
         assert pdef.impl_func and pdef.aot_impl_func and pdef.autotune_func
         assert pdef.expects_tactic == bool(spec.tactics)
-        # the creator declares INT32 fields for our attributes: what the ONNX parser hands over for INT ones
-        assert set(standin.field_names(spec.plugin_id).values()) <= {"INT32"}
+        # the creator declares INT32 and FLOAT32 fields for our attributes: what the ONNX parser hands over for INT
+        # and FLOAT ones (onnx-tensorrt loadFields; the MLA stages' softmax_scale is a FLOAT)
+        assert set(standin.field_names(spec.plugin_id).values()) <= {"INT32", "FLOAT32"}
 
 
 def test_standin_rejects_todays_graphs_and_registration(standin, monkeypatch, tmp_path):
@@ -663,8 +695,8 @@ def _emulate(standin, compiled, tmp_path, case, run: bool = True) -> dict[str, l
             continue
         outs = {n: _poisoned(case.expected[n]) for n in names}
         args = [case.inputs[vi.name].contiguous() for vi in model.graph.input] + params["extra"] + list(outs.values())
-        launch.kernel[(params["grid_x"], params["grid_y"])](*args, **launch.constexprs(), num_warps=launch.num_warps,
-                                                          num_stages=launch.num_stages)
+        grid = (params["grid_x"], params["grid_y"], params["grid_z"])
+        launch.kernel[grid](*args, **launch.constexprs(), num_warps=launch.num_warps, num_stages=launch.num_stages)
         results[tactic] = mismatches(case, outs)
     return results
 
@@ -677,24 +709,39 @@ def test_every_aot_kernel_matches_its_reference(standin, monkeypatch, tmp_path, 
     poisoned) and matches the torch reference (skewed routing with an empty expert)."""
     from k2trt.runtime.tensorrt.plugin_cases import node_cases
 
+    from k2trt.runtime.aot.nodes import AOT_NODES
+    from k2trt.runtime.aot.sweep import case_activation
+
     plugins.register_plugins()
     compiled = _real_compiles(monkeypatch, aot_compiled)
+    jit = []
     for case in node_cases(act, aq):
+        if not AOT_NODES[case.op_type].has_aot(case_activation(case)):
+            jit.append(case.op_type)  # runs JIT in every engine: test_mla_plugin_bodies_match_their_references
+            continue
         results = _emulate(standin, compiled, tmp_path, case)
         assert results and all(not m for m in results.values()), (case.label, results)
         assert len(results) == len(plugins.plugin_specs()[case.op_type].tactics or [0])
+    assert jit == ([c.op_type for c in contracts.MLA_STAGES] if act == "float32" else [])
 
 
 def _graph_on_standin(standin, compiled, tmp_path, model, sizes=None) -> int:
     """Every plugin node of a TensorRT-bound graph as TensorRT's builder drives it: parsed with aot=1, types and
     shapes inferred, every tactic's launch asked for (each a real sm_90 compile within 48 KiB); -> launches."""
     from k2trt.runtime.aot import ptx as aot
+    from k2trt.runtime.aot.nodes import AOT_NODES
 
-    sizes = sizes or {"B": 2, "T": 3}
+    sizes = sizes or {"B": 2, "T": 3, "pages": 5, "rows": 1024, "S": plugins.decode_splits(2, 3, 4, 5, 64)}
     types = value_types(model)
     asked = 0
     for i, node in enumerate(_plugin_nodes(model)):
-        one = onnx.helper.make_model(onnx.helper.make_graph([node], "g", [], []))
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        act = plugins.check_input_dtypes(node.op_type, [BY_ONNX[types[v].elem_type].name for v in node.input], attrs)
+        if not AOT_NODES[node.op_type].has_aot(act):
+            continue  # JIT in every engine (the MLA stages in float32)
+        typed = [onnx.helper.make_tensor_value_info(v, types[v].elem_type, dims(types[v])) for v in node.input]
+        one = onnx.helper.make_model(onnx.helper.make_graph([node], "g", typed, []), opset_imports=[
+            onnx.helper.make_opsetid("", 20), onnx.helper.make_opsetid(contracts.NAMESPACE, 1)])
         plugin = _aot_plugin(standin, one, tmp_path, f"node{i}")
         descs = []
         for v in node.input:  # named dims dynamic, dims shape inference lost taken as 6
@@ -720,9 +767,9 @@ def test_doctor_block_engines_build_on_the_standin(standin, monkeypatch, tmp_pat
     every plugin node of the TensorRT-bound graphs through the stand-in with the real compiled launches."""
     plugins.register_plugins()
     compiled = _real_compiles(monkeypatch, aot_compiled)
-    asked = sum(_graph_on_standin(standin, compiled, tmp_path, _trt_graph(kind, act, aq))
-                for kind in ("dense_block", "moe_block"))
-    assert asked >= 2 * 3 + 4  # the linears' and GEMMs' tactics, align and combine
+    asked = sum(_graph_on_standin(standin, compiled, tmp_path, _trt_graph(kind, act, aq, form))
+                for kind in ("dense_block", "moe_block") for form in ("decode", "prefill"))
+    assert asked >= 2 * 3 + 4 + (0 if act == "float32" else 4)  # linears, GEMMs, align, combine; attention
 
 
 @pytest.mark.slow
@@ -730,16 +777,18 @@ def test_expert_parallel_parts_build_on_the_standin(standin, monkeypatch, tmp_pa
     """The MoE block's parts for EP 2 (bfloat16, both FP8 modes, FP8 and INT4 experts): every plugin node — the
     front's linears, the experts' align / gate+up / down over 192 experts and their top-1 combine, the combine's
     MoeCombine — parsed, typed and given every tactic's launch, each configuration really compiled."""
-    from k2trt.export.split_moe import split_moe
+    from k2trt.export.trt_form import forms, tensorrt_graph
 
     plugins.register_plugins()
     compiled = _real_compiles(monkeypatch, aot_compiled)
     asked = 0
+    sizes = {"B": 2, "T": 3, "R": 5, "pages": 5, "rows": 1024, "S": plugins.decode_splits(2, 3, 4, 5, 64)}
     for cfg in (TINY, K2Config.preset("tiny-int4")):
         for aq in (1, 0):
             for kind in ("moe_front", "moe_experts", "moe_combine"):
-                model = split_moe(build_block_graph(cfg, kind, "bfloat16", aq, experts=192))
-                asked += _graph_on_standin(standin, compiled, tmp_path, model, {"B": 2, "T": 3, "R": 5})
+                for form in forms(kind):  # the front attends: its decode and prefill forms
+                    model = tensorrt_graph(cfg, kind, "bfloat16", aq, experts=192, form=form)
+                    asked += _graph_on_standin(standin, compiled, tmp_path, model, sizes)
     assert asked > 0
 
 
@@ -749,7 +798,7 @@ def test_k2_size_expert_weights_and_their_fallback_on_the_standin(standin, monke
     and the fallback's (one range of 128 experts, 1.9e9) parse, infer their shapes and get every tactic's launch;
     whether TensorRT binds a plugin input that large is what only a GPU machine shows. The K2 MoE block in three
     expert ranges (export --expert-ranges 3) goes through the stand-in whole."""
-    from k2trt.export.split_moe import split_moe
+    from k2trt.export.trt_form import tensorrt_graph
     from k2trt.runtime.tensorrt.plugin_cases import K2_EXPERTS, K2_RANGE, large_case
 
     plugins.register_plugins()
@@ -761,9 +810,10 @@ def test_k2_size_expert_weights_and_their_fallback_on_the_standin(standin, monke
         assert sorted(results) == [1, 2, 3]
     k2 = K2Config.preset("kimi-k2")
     for aq in (1, 0):
-        model = split_moe(build_block_graph(k2, "moe_block", "bfloat16", aq), expert_ranges=3)
-        linears = sum(n.op_type == "Fp8BlockLinear" for n in model.graph.node)
-        assert _graph_on_standin(standin, compiled, tmp_path, model) == 3 * (1 + 3 + 3 + 1) + 3 * linears
+        for form in ("decode", "prefill"):  # + the paged attention's two stages, one launch each
+            model = tensorrt_graph(k2, "moe_block", "bfloat16", aq, expert_ranges=3, form=form)
+            linears = sum(n.op_type == "Fp8BlockLinear" for n in model.graph.node)
+            assert _graph_on_standin(standin, compiled, tmp_path, model) == 3 * (1 + 3 + 3 + 1) + 3 * linears + 2
 
 
 def test_aot_linear_kernel_is_the_runtime_kernel():
@@ -1087,15 +1137,16 @@ def test_cuda_graph_capture_failure_falls_back_with_one_warning(monkeypatch):
     warned = []
     graphs = TB.DecodeGraphs(be, warn=warned.append)
 
-    def reset(b, p):
-        graphs.key, graphs.static = (b, p), {"hidden_states": torch.zeros(b, 1, 4)}
+    def reset(key):
+        graphs.key, graphs.static = key, {"hidden_states": torch.zeros(key[0], 1, 4)}
 
-    def capture(layer, kind, cache, weights):
+    def capture(layer, kind, pool, weights):
         raise K2Error("moe_block: TensorRT failed to enqueue the engine (see its log above)\nmore")
 
     monkeypatch.setattr(graphs, "_reset", reset)
     monkeypatch.setattr(graphs, "_capture", capture)
-    inputs = {"hidden_states": torch.ones(2, 1, 4), "latent_cache": torch.zeros(2, 16, 8)}
+    inputs = {"hidden_states": torch.ones(2, 1, 4), "kv_pool": torch.zeros(128, 8),
+              "page_table": torch.zeros(2, 2, dtype=torch.int32)}
     assert graphs.run(0, "moe_block", inputs, {}) is None
     assert graphs.run(1, "moe_block", inputs, {}) is None  # off: no second capture, no second warning
     assert warned == ["TensorRT: CUDA graph capture failed (moe_block: TensorRT failed to enqueue the engine (see "
@@ -1107,9 +1158,13 @@ def test_output_shapes_and_weight_upload(exported):
     from k2trt.tiny.synthetic import RandomWeights
     from k2trt.runtime.backends.tensorrt import OutputArena, output_shapes, upload_weights
 
-    entry = export_manifest.read_manifest(exported)["graphs"]["trt/moe_block"]
-    assert output_shapes(entry, {"B": 2, "T": 3, "P": 16}) == {
+    graphs = export_manifest.read_manifest(exported)["graphs"]
+    entry = graphs["trt/moe_block"]
+    assert output_shapes(entry, {"B": 2, "T": 3, "pages": 2, "rows": 256}) == {
         "hidden_states_out": (2, 3, TINY.hidden_size), "latent_new": (2, 3, TINY.latent_dim)}
+    # the decode and prefill forms take the same weights: one upload per layer serves both engines
+    assert graphs["trt/moe_block.prefill"]["weights"] == entry["weights"]
+    assert graphs["trt/moe_block.prefill"]["prep"] == entry["prep"]
 
     src = RandomWeights(TINY).block_weights(1)
     up = upload_weights(entry, src, torch.bfloat16, "cpu")

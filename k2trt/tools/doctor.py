@@ -238,7 +238,8 @@ def _block_engines(state: dict) -> str:
     except K2Error as e:
         raise K2Error(f"{first_line(e)}: {logger.first}" if logger.first else first_line(e)) from None
     times = [line.split(": ", 1)[1] for line in lines if " MiB in " in line]
-    return f"embedding, dense_block, moe_block, head with prefill and decode profiles ({'; '.join(times)})"
+    return (f"embedding, dense_block, moe_block, head, and the attention kinds' prefill forms (pages read in place), "
+            f"with prefill and decode profiles ({'; '.join(times)})")
 
 
 def _tokens(state: dict) -> str:

@@ -19,11 +19,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from k2trt.dtypes import FP8, torch_dtype
-from k2trt.graphs.fp8 import cdiv
 from k2trt.runtime.aot.linear import act_pointer
 from k2trt.runtime.kernels import mla_decode, mla_prefill
 
 POOL_POINTERS = {FP8: "fp8e4nv"}
+
+
+def _blocks(n, size: int):
+    """ceil(n / size) for an int or a TensorRT shape expression (which has + and // but no negation)."""
+    return (n + (size - 1)) // size
 
 
 def _pool_ptr(pool: str, act: str) -> str:
@@ -71,16 +75,23 @@ class SplitLaunch:
     def config(self) -> mla_decode.MlaDecodeConfig:
         return mla_decode.MlaDecodeConfig(self.block_m, self.block_n, self.num_warps, self.num_stages)
 
+    def _unused(self) -> tuple[str, ...]:
+        """The output pointers this form never writes: constexpr None, so the compiled kernel has no such
+        parameter and the plugin no such output (direct: the partials; split: o, which the merge writes)."""
+        return ("part_acc_ptr", "part_ml_ptr") if self.direct else ("o_ptr",)
+
     def pointer_types(self) -> dict[str, str]:
         act = act_pointer(self.act, "MLA")
-        return {"q_ptr": act, "pool_ptr": _pool_ptr(self.pool, self.act), "kv_scale_ptr": "fp32", "table_ptr": "i32",
-                "len_ptr": "i32", "new_ptr": act, "n_new_ptr": "i32", "part_acc_ptr": "fp32", "part_ml_ptr": "fp32",
-                "o_ptr": act}
+        types = {"q_ptr": act, "pool_ptr": _pool_ptr(self.pool, self.act), "kv_scale_ptr": "fp32",
+                 "table_ptr": "i32", "len_ptr": "i32", "new_ptr": act, "n_new_ptr": "i32", "part_acc_ptr": "fp32",
+                 "part_ml_ptr": "fp32", "o_ptr": act}
+        return {k: v for k, v in types.items() if k not in self._unused()}
 
     def constexprs(self) -> dict:
-        return mla_decode.split_constexprs(self.heads, self.latent, self.rope, self.page_tokens, self.config,
-                                           self.direct, self.softmax_scale, torch_dtype(self.act),
-                                           torch_dtype(self.pool), has_new=True)
+        return {**mla_decode.split_constexprs(self.heads, self.latent, self.rope, self.page_tokens, self.config,
+                                              self.direct, self.softmax_scale, torch_dtype(self.act),
+                                              torch_dtype(self.pool), has_new=True),
+                **{name: None for name in self._unused()}}
 
     def shrink(self):
         return _shrink(self, "block_m", "block_n")
@@ -89,7 +100,7 @@ class SplitLaunch:
         return (self,)
 
     def grid(self, batch, n_q, n_splits):
-        return (batch, cdiv(n_q * self.heads, self.block_m), n_splits)
+        return (batch, _blocks(n_q * self.heads, self.block_m), n_splits)
 
     def extra_args(self, n_q, max_pages, pool_pages, n_splits) -> tuple:
         return (n_q, max_pages, pool_pages, n_splits)
@@ -170,7 +181,7 @@ class DecompressLaunch:
         return (self,)
 
     def grid(self, batch, positions):
-        return (batch, cdiv(positions, self.block_p), cdiv(self.columns, self.block_n))
+        return (batch, _blocks(positions, self.block_p), _blocks(self.columns, self.block_n))
 
     def extra_args(self, n_q, max_pages, pool_pages, positions) -> tuple:
         return (n_q, max_pages, pool_pages, positions, self.columns)
@@ -217,7 +228,7 @@ class AttendLaunch:
         return (self,)
 
     def grid(self, batch, n_q):
-        return (batch, self.heads, cdiv(n_q, self.block_m))
+        return (batch, self.heads, _blocks(n_q, self.block_m))
 
     def extra_args(self, n_q, max_pages, pool_pages, positions) -> tuple:
         return (n_q, max_pages, pool_pages, positions)

@@ -55,14 +55,14 @@ def node_requests(source: str, op_type: str, act: str | None, aq: int, sizes: di
 
 def graph_requests(cfg_name: str, act: str, aq: int, expert_ranges: int = 1, expert_parallel: int = 1
                    ) -> list[Request]:
-    """Every launch of every plugin node in a config's TensorRT-bound graphs (export/split_moe form, with its
-    routed experts in `expert_ranges` ranges; with `expert_parallel` E, the MoE block's parts for E ranks)."""
+    """Every launch of every plugin node in a config's TensorRT-bound graphs (export/trt_form.py: both forms of the
+    kinds with attention, the routed experts in `expert_ranges` ranges; with `expert_parallel` E, the MoE block's
+    parts for E ranks). A node with no AOT form in `act` (AotNode.acts) runs JIT and asks for no launch."""
     import onnx
 
     from k2trt.dtypes import BY_ONNX
-    from k2trt.export.block_graphs import build_block_graph
     from k2trt.export.onnx_ops import dims, value_types
-    from k2trt.export.split_moe import split_moe
+    from k2trt.export.trt_form import forms, tensorrt_graph
     from k2trt.runtime.aot.nodes import AOT_NODES
     from k2trt.runtime.tensorrt.plugins import check_input_dtypes
 
@@ -72,9 +72,9 @@ def graph_requests(cfg_name: str, act: str, aq: int, expert_ranges: int = 1, exp
         ("" if expert_parallel == 1 else f" at EP {expert_parallel}")
     kinds = ("moe_experts", "moe_combine") if expert_parallel > 1 else \
         ("dense_block", "moe_block") if expert_ranges == 1 else ("moe_block",)  # no plugin elsewhere
-    for kind in kinds:
-        experts = cfg.n_routed_experts // expert_parallel
-        model = split_moe(build_block_graph(cfg, kind, act, aq, experts), expert_ranges)
+    experts = cfg.n_routed_experts // expert_parallel
+    for kind, form in [(k, f) for k in kinds for f in forms(k)]:
+        model = tensorrt_graph(cfg, kind, act, aq, experts, expert_ranges, form)
         types = value_types(model)
         for node in model.graph.node:
             if node.domain != contracts.NAMESPACE:
@@ -85,7 +85,9 @@ def graph_requests(cfg_name: str, act: str, aq: int, expert_ranges: int = 1, exp
             sizes = AOT_NODES[node.op_type].sizes_of(lambda i, axis: shapes[i][axis], attrs.__getitem__)
             node_act = check_input_dtypes(node.op_type, [BY_ONNX[types[v].elem_type].name for v in node.input],
                                           attrs)
-            out += node_requests(f"{source} {kind}", node.op_type, node_act, aq, sizes)
+            if AOT_NODES[node.op_type].has_aot(node_act):
+                label = f"{source} {kind}" + ("" if form == "decode" else f" ({form})")
+                out += node_requests(label, node.op_type, node_act, aq, sizes)
     return out
 
 
@@ -94,9 +96,12 @@ def case_requests(act: str, aq: int) -> list[Request]:
     them from the cases' inputs."""
     from k2trt.runtime.tensorrt.plugin_cases import node_cases
 
+    from k2trt.runtime.aot.nodes import AOT_NODES
+
     out = []
     for case in node_cases(act, aq):
-        out += node_requests("doctor case", case.op_type, case_activation(case), aq, case_sizes(case))
+        if AOT_NODES[case.op_type].has_aot(case_activation(case)):
+            out += node_requests("doctor case", case.op_type, case_activation(case), aq, case_sizes(case))
     return out
 
 

@@ -55,6 +55,7 @@ class BackendLimits:
     max_context: int | None = None  # most positions one sequence may hold (TensorRT: --max-seq)
     max_tokens_per_step: int | None = None  # most new positions in one call (TensorRT: --max-prefill)
     max_batch: int | None = None  # most sequences in one call (TensorRT: --max-batch)
+    max_cache_pages: int | None = None  # most pages a layer's pool may hold (TensorRT: its engines' pool rows)
 
 
 # progress(done, total, what): called while a backend binds weights (loading the real model takes minutes)

@@ -31,7 +31,10 @@ from k2trt.runtime.backends.contract import (BackendLimits, Progress, WeightSour
 from k2trt.runtime.backends.graph_weights import graph_weights, source_names
 from k2trt.runtime.tensorrt import engine_manifest as EM
 from k2trt.runtime.tensorrt import environment
-from k2trt.runtime.tensorrt.profiles import DECODE, check_call_shape, eval_dim, profile_index
+from k2trt.export.trt_form import engine_name, engine_names
+from k2trt.graphs.blocks import PagedCache, decompress_from
+from k2trt.runtime.aot.mla import PAGE_TOKENS
+from k2trt.runtime.tensorrt.profiles import DECODE, check_call_shape, check_table_pages, eval_dim, profile_index
 
 
 
@@ -157,7 +160,9 @@ class Engine:
 
 class TrtBackend:
     name = "trt"
-    reads_pages = False  # until its engines take the pool (docs/TENSORRT.md, the paged MLA plugins)
+    # the attention kinds' engines read the layer's pool in place (the MLA plugins): no gathered cache, no mask;
+    # a step of T >= blocks.decompress_from new positions runs the kind's prefill form (export/trt_form.py)
+    reads_pages = True
 
     def __init__(self, engine_dir: str | Path, weights: WeightSource, export_dir: str | Path | None = None,
                  cuda_graphs: bool = False, device: int = 0, verbose: bool = False, expert_parallel: int = 1):
@@ -175,7 +180,7 @@ class TrtBackend:
         self.expert_parallel = expert_parallel
         if expert_parallel > 1:  # the MoE layers run as their parts, built from an --expert-parallel E export
             check_expert_parallel_export(self.manifest, expert_parallel, str(engine_dir))
-        needed = BLOCK_KINDS + (MOE_PART_KINDS if expert_parallel > 1 else ())
+        needed = engine_names(BLOCK_KINDS + (MOE_PART_KINDS if expert_parallel > 1 else ()))
         missing = [k for k in needed if k not in self.manifest["engines"]]
         if missing:
             raise K2Error(f"{engine_dir}: no engine for {', '.join(missing)} (built with --kinds?); "
@@ -183,7 +188,8 @@ class TrtBackend:
         self.spec = EM.profile_spec_of(self.manifest)
         # what the engines' profiles allow: the generator refuses longer requests and chunks prefill to fit
         self.limits = BackendLimits(max_context=self.spec.max_seq, max_tokens_per_step=self.spec.max_prefill,
-                                    max_batch=self.spec.max_batch)
+                                    max_batch=self.spec.max_batch, max_cache_pages=self.spec.pool_pages)
+        self.decompress_from = decompress_from(self.cfg)
         self.activation_quant = int(self.manifest["activation_quant"])
         self.act_dtype = torch_dtype(self.manifest["act_dtype"])
         self.device = torch.device("cuda", device)
@@ -253,17 +259,39 @@ class TrtBackend:
     def _on_device(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         return aligned(x.to(self.device, dtype or x.dtype).contiguous())
 
-    def _attention_inputs(self, hidden, rope_cos, rope_sin, mask, latent_cache) -> dict[str, torch.Tensor]:
-        """A block's (or MoE front's) activation inputs on the device; the cache is read in place, never copied."""
-        if latent_cache.device != self.device or latent_cache.dtype != self.act_dtype \
-                or not latent_cache.is_contiguous():
-            raise K2Error(f"latent_cache must be a contiguous {self.act_dtype} tensor on {self.device} "
+    def _attention_inputs(self, hidden, rope_cos, rope_sin, cache: PagedCache) -> tuple[dict, dict]:
+        """A block's (or MoE front's) activation inputs on the device, the layer's pool read in place (never
+        copied), and the dims of its outputs."""
+        if not isinstance(cache, PagedCache):
+            raise K2Error("the TensorRT engines read the cache's pages in place: give a PagedCache "
+                          "(PagedLatentCache.paged), not a gathered cache")
+        pool = cache.pool
+        if pool.device != self.device or pool.dtype != self.act_dtype or not pool.is_contiguous():
+            raise K2Error(f"the latent pool must be a contiguous {self.act_dtype} tensor on {self.device} "
                           "(it is read in place)")
-        return {"hidden_states": self._on_device(hidden, self.act_dtype),
-                "rope_cos": self._on_device(rope_cos, self.act_dtype),
-                "rope_sin": self._on_device(rope_sin, self.act_dtype),
-                "attention_mask": self._on_device(mask, torch.float32),
-                "latent_cache": latent_cache}
+        if cache.page_tokens != PAGE_TOKENS:
+            raise K2Error(f"pages of {cache.page_tokens} positions; the engines were exported for {PAGE_TOKENS}")
+        rows_max = self.spec.pool_pages * PAGE_TOKENS
+        if pool.shape[0] > rows_max:
+            raise K2Error(f"the latent pool holds {pool.shape[0]} positions a layer, the engines at most {rows_max} "
+                          "(rebuild with a larger --max-batch or --max-seq, or give the cache fewer pages)")
+        b, t = hidden.shape[:2]
+        inputs = {"hidden_states": self._on_device(hidden, self.act_dtype),
+                  "rope_cos": self._on_device(rope_cos, self.act_dtype),
+                  "rope_sin": self._on_device(rope_sin, self.act_dtype),
+                  "kv_pool": pool,
+                  "page_table": self._on_device(cache.page_table, torch.int32),
+                  "ctx_lens": self._on_device(cache.ctx_lens, torch.int32),
+                  "n_new": self._on_device(cache.n_new, torch.int32)}
+        pages = inputs["page_table"].shape[1]
+        check_call_shape(self.spec, b, t, 1)
+        check_table_pages(self.spec, pages)
+        return inputs, {"B": b, "T": t, "pages": pages, "rows": pool.shape[0]}
+
+    def _form(self, kind: str, t: int) -> str:
+        """The engine of an attention kind for a step of T new positions: absorbed below decompress_from, as the
+        torch reference and the ONNX Runtime graphs choose."""
+        return engine_name(kind, "prefill" if t >= self.decompress_from else "decode")
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         b, t = input_ids.shape
@@ -275,18 +303,18 @@ class TrtBackend:
         return out["hidden_states"]
 
     def block(self, layer, hidden, rope_cos, rope_sin, mask, latent_cache):
+        """mask: None (the pages say what each query sees); latent_cache: the layer's PagedCache."""
         kind = self.cfg.layer_kind(layer)
-        b, t = hidden.shape[:2]
-        p = latent_cache.shape[1]
-        check_call_shape(self.spec, b, t, p)
-        w = self.layer_weights(layer, kind)
-        inputs = self._attention_inputs(hidden, rope_cos, rope_sin, mask, latent_cache)
+        inputs, dims = self._attention_inputs(hidden, rope_cos, rope_sin, latent_cache)
+        t = dims["T"]
+        w = self.layer_weights(layer, kind)  # one upload serves both forms: they take the same weights
         if self.graphs is not None and t == 1:
             replayed = self.graphs.run(layer, kind, inputs, w)
             if replayed is not None:
                 return replayed
-        out = self._outputs(kind, {"B": b, "T": t, "P": p}, avoid=inputs["hidden_states"])
-        self._run(kind, t, inputs, w, out)
+        engine = self._form(kind, t)
+        out = self._outputs(engine, dims, avoid=inputs["hidden_states"])
+        self._run(engine, t, inputs, w, out)
         return out["hidden_states_out"], out["latent_new"]
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -299,13 +327,11 @@ class TrtBackend:
 
     # ---- a MoE block's parts (expert parallelism) -----------------------------------------------------------
     def moe_front(self, layer, hidden, rope_cos, rope_sin, mask, latent_cache):
-        b, t = hidden.shape[:2]
-        p = latent_cache.shape[1]
-        check_call_shape(self.spec, b, t, p)
-        inputs = self._attention_inputs(hidden, rope_cos, rope_sin, mask, latent_cache)
-        out = self._outputs("moe_front", {"B": b, "T": t, "P": p})
-        self._run("moe_front", t, inputs, self.layer_weights(("moe_front", layer), "moe_front"), out)
-        return tuple(out[o["name"]] for o in self.engines["moe_front"].entry["outputs"])
+        inputs, dims = self._attention_inputs(hidden, rope_cos, rope_sin, latent_cache)
+        engine = self._form("moe_front", dims["T"])
+        out = self._outputs(engine, dims)
+        self._run(engine, dims["T"], inputs, self.layer_weights(("moe_front", layer), "moe_front"), out)
+        return tuple(out[o["name"]] for o in self.engines[engine].entry["outputs"])
 
     def moe_experts(self, layer, rows, expert_ids, decode: bool = False):
         """Calls of at most the profile's rows (a prefill dispatch may bring more: rows are independent)."""
@@ -350,12 +376,12 @@ class DecodeGraphs:
         capture does not allow — falls back to plain enqueues, with one warning line, for the rest of the run.
 
     Conditions (why this is off by default):
-      * a graph bakes in every address: the batch B, the cache capacity P and each layer's cache buffer must be the
-        ones it was captured with — a new cache buffer recaptures that layer, a new B or P drops every graph
-        (P takes four sizes an octave as sequences grow: cache.bucket); the runtime gathers every layer's paged
-        cache into one step buffer per B and P (runtime/cache/pools.PagedLatentCache.gather), so the address
-        holds between steps;
-      * inputs are copied into static buffers before replay (a few KiB per layer in decode);
+      * a graph bakes in every address and shape: the batch B, the page tables' width and each layer's pool must
+        be the ones it was captured with — a new pool recaptures that layer, a new B or width drops every graph
+        (the width takes four sizes an octave as sequences grow: cache.bucket); the pools live as long as the
+        cache, so their addresses hold between steps;
+      * inputs — hidden states, rope, page tables, lengths — are copied into static buffers before replay (a few
+        KiB per layer in decode);
       * JIT plugins' Python runs only during capture, so their kernels must depend on shapes alone: no host sync, no
         data-dependent launch (true of runtime/kernels), and their allocations come from the capture's pool;
         AOT plugins (the default) are plain kernels in TensorRT's own launch sequence.
@@ -365,9 +391,9 @@ class DecodeGraphs:
     def __init__(self, backend: TrtBackend, warn=None):
         self.backend = backend
         self.warn = warn or (lambda message: warnings.warn(message, RuntimeWarning, stacklevel=3))
-        self.key: tuple | None = None  # (B, P) the graphs are for
+        self.key: tuple | None = None  # (B, table pages, pool rows) the graphs are for
         self.static: dict[str, torch.Tensor] = {}
-        self.per_layer: dict[int, tuple] = {}  # layer -> (cache data_ptr, context, graph, outputs, memory)
+        self.per_layer: dict[int, tuple] = {}  # layer -> (pool data_ptr, context, graph, outputs, memory)
         self.pool = None
         self.failed: str | None = None  # why capture failed: every decode block then runs plainly
 
@@ -376,34 +402,36 @@ class DecodeGraphs:
         """Activation memory held by the captured contexts (one block each)."""
         return sum(c[4].numel() for c in self.per_layer.values())
 
-    def _reset(self, b: int, p: int) -> None:
+    def _reset(self, key: tuple) -> None:
         be = self.backend
         be.stream.synchronize()  # graphs and contexts about to be dropped have finished their replays
-        self.key, self.per_layer, self.pool = (b, p), {}, torch.cuda.graph_pool_handle()
+        self.key, self.per_layer, self.pool = key, {}, torch.cuda.graph_pool_handle()
+        b, pages = key[0], key[1]
         cfg = be.cfg
         half = cfg.qk_rope_head_dim // 2
         mk = lambda *s, dtype=be.act_dtype: torch.zeros(*s, dtype=dtype, device=be.device)  # noqa: E731
         self.static = {"hidden_states": mk(b, 1, cfg.hidden_size), "rope_cos": mk(b, 1, half),
-                       "rope_sin": mk(b, 1, half), "attention_mask": mk(b, 1, p + 1, dtype=torch.float32)}
+                       "rope_sin": mk(b, 1, half), "page_table": mk(b, pages, dtype=torch.int32),
+                       "ctx_lens": mk(b, dtype=torch.int32), "n_new": mk(b, dtype=torch.int32)}
 
     def run(self, layer: int, kind: str, inputs: dict, weights: dict):
         """The decode block through its graph; None where graphs are off (capture failed): run it plainly."""
         if self.failed is not None:
             return None
         be = self.backend
-        cache = inputs["latent_cache"]
-        b, p = cache.shape[0], cache.shape[1]
-        if self.key != (b, p):
-            self._reset(b, p)
+        pool = inputs["kv_pool"]
+        key = (inputs["hidden_states"].shape[0], inputs["page_table"].shape[1], pool.shape[0])
+        if self.key != key:
+            self._reset(key)
         stream = be.stream
         stream.wait_stream(torch.cuda.current_stream(be.device))
         with torch.cuda.stream(stream):
             for name, buf in self.static.items():
                 buf.copy_(inputs[name])
         captured = self.per_layer.get(layer)
-        if captured is None or captured[0] != cache.data_ptr():
+        if captured is None or captured[0] != pool.data_ptr():
             try:
-                captured = self._capture(layer, kind, cache, weights)
+                captured = self._capture(layer, kind, pool, weights)
             except Exception as e:  # noqa: BLE001 - any failed capture: plain enqueues from now on
                 self._give_up(e)
                 return None
@@ -421,18 +449,18 @@ class DecodeGraphs:
         self.failed = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         self.warn(f"TensorRT: CUDA graph capture failed ({self.failed}); decode runs without CUDA graphs")
 
-    def _capture(self, layer: int, kind: str, cache: torch.Tensor, weights: dict) -> tuple:
+    def _capture(self, layer: int, kind: str, pool: torch.Tensor, weights: dict) -> tuple:
         be = self.backend
-        engine = be.engines[kind]
-        b, p = self.key
-        outs = {name: torch.empty(shape, dtype=engine.dtypes[name], device=be.device)
-                for name, shape in output_shapes(engine.entry, {"B": b, "T": 1, "P": p}).items()}
+        engine = be.engines[kind]  # T = 1: the decode form
+        b, pages, rows = self.key
+        outs = {name: torch.empty(shape, dtype=engine.dtypes[name], device=be.device) for name, shape in
+                output_shapes(engine.entry, {"B": b, "T": 1, "pages": pages, "rows": rows}).items()}
         memory = torch.empty(max(engine.decode_memory_bytes(), 1), dtype=torch.uint8, device=be.device)
         ctx = engine.user_managed_context(be.trt, memory)
-        ctx.bind(1, {**self.static, "latent_cache": cache}, weights, outs, be.stream)
+        ctx.bind(1, {**self.static, "kv_pool": pool}, weights, outs, be.stream)
         ctx.enqueue(be.stream)  # this step's result, and TensorRT's deferred work done before capture
         be.stream.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=be.stream, capture_error_mode="thread_local"):
             ctx.enqueue(be.stream)
-        return cache.data_ptr(), ctx, graph, outs, memory
+        return pool.data_ptr(), ctx, graph, outs, memory

@@ -159,10 +159,10 @@ class ExpertParallelStage(StageExecutor):
         if not self.cfg.is_moe_layer(layer):
             return super().run_block(layer, plan, st, hidden)
         backend, clock = self.backend, time.perf_counter
-        cache = self.cache.gather(layer, st.gather_rows)
+        cache, mask = self.layer_cache(layer, st)
         t0 = clock()
         residual, x, topk_ids, topk_weights, shared, new = backend.moe_front(layer, hidden, st.rope_cos, st.rope_sin,
-                                                                             st.mask, cache)
+                                                                             mask, cache)
         self.clock.backend_s += clock() - t0
         self.cache.write(layer, new, st.cache_rows, st.valid)
         dispatch = plan_dispatch(topk_ids.cpu(), st.valid.cpu(), self.num_experts, self.exchange.size)

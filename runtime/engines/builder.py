@@ -1,4 +1,5 @@
-"""`k2trt build`: one TensorRT engine per exported block kind, with a prefill and a decode profile.
+"""`k2trt build`: one TensorRT engine per exported block kind and form (an attention kind's decode and prefill
+graphs: export/trt_form.py), each with a prefill and a decode profile.
 
     k2trt build --onnx build/onnx --out build/engines [--max-batch 8 --max-seq 4096 --max-prefill 2048 ...]
                 [--timing-cache FILE] [--plugins aot|jit]
@@ -25,11 +26,12 @@ from k2trt.atomic import atomic_write_bytes
 from k2trt.dirlock import writing
 from k2trt.errors import K2Error
 from k2trt.config import BLOCK_KINDS, MOE_PART_KINDS
+from k2trt.export.trt_form import engine_names
 from k2trt.export_manifest import graph_file, read_manifest
 from k2trt.runtime.tensorrt import engine_manifest as EM
 from k2trt.runtime.tensorrt import environment
 from k2trt.runtime.engines.monitor import BuildProgress, progress_monitor
-from k2trt.runtime.tensorrt.profiles import (ProfileSpec, graph_profiles, is_dynamic, spec_from_args)
+from k2trt.runtime.tensorrt.profiles import (ProfileSpec, graph_profiles, is_dynamic, pages_for, spec_from_args)
 
 
 PLUGIN_MODES = ("aot", "jit")
@@ -52,7 +54,8 @@ def build_engines(onnx_dir: Path, out: Path, spec: ProfileSpec, kinds=None, plug
         kinds = BLOCK_KINDS + tuple(k for k in MOE_PART_KINDS if f"trt/{k}" in export["graphs"])
     if out.exists() and not out.is_dir():
         raise K2Error(f"--out {out} exists and is not a directory")
-    graphs = {kind: _graph(export, kind, onnx_dir) for kind in kinds}
+    # every form of each kind: an attention kind's decode and prefill graphs are engines of their own
+    graphs = {name: _graph(export, name, onnx_dir) for name in engine_names(kinds)}
     # Only now the heavy dependencies: every input error above is reported without TensorRT.
     trt = environment.import_tensorrt()
     environment.require_cuda()
@@ -70,7 +73,8 @@ def build_engines(onnx_dir: Path, out: Path, spec: ProfileSpec, kinds=None, plug
     log(f"TensorRT {env['tensorrt_version']} on {env['gpu_name']} (sm {env['compute_capability']}, driver CUDA "
         f"{env['cuda_driver']}); plugins: {plugins}"
         + (f", PTX {environment.ptx_text(target.ptx_version)}" if target and target.ptx_version else ""))
-    log(f"profiles: prefill T 1..{spec.max_prefill}, decode T 1; B 1..{spec.max_batch}, P 1..{spec.max_capacity}")
+    log(f"profiles: prefill T 1..{spec.max_prefill}, decode T 1; B 1..{spec.max_batch}, P 1..{spec.max_capacity} "
+        f"(pages 1..{pages_for(spec.max_capacity)}, pool pages ..{spec.pool_pages})")
     if timing_cache is not None:
         timing_cache = timing_cache_file(timing_cache, export["act_dtype"], export.get("activation_quant"))
         log(f"timing cache: {timing_cache}")
@@ -170,19 +174,31 @@ def with_aot_attribute(model_path: Path, aot: bool) -> tuple[bytes, dict[str, st
 
 def set_aot_attribute(model, aot: bool) -> dict[str, str]:
     """Write `aot` (1 or 0) on every plugin node, replacing any; -> how each plugin of the graph runs
-    (op_type -> "aot" | "jit"). The parser reads `aot` as an int attribute (onnx-tensorrt importerUtils.cpp)."""
+    (op_type -> "aot" | "jit"). The parser reads `aot` as an int attribute (onnx-tensorrt importerUtils.cpp).
+    A node whose kernel has no AOT form in the node's activation dtype (runtime/aot/nodes.AotNode.acts: the MLA
+    stages in float32, whose tiles need more than an AOT launch's 48 KiB) runs JIT in an AOT engine too."""
     from onnx import helper
 
+    from k2trt.dtypes import BY_ONNX
+    from k2trt.export.onnx_ops import value_types
     from k2trt.graphs import contracts
+    from k2trt.runtime.aot.nodes import AOT_NODES
+    from k2trt.runtime.tensorrt.plugins import check_input_dtypes
 
+    types = value_types(model) if aot else {}
     used = {}
     for node in model.graph.node:
         if node.domain != contracts.NAMESPACE:
             continue
+        node_aot = aot
+        if aot:
+            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            act = check_input_dtypes(node.op_type, [BY_ONNX[types[v].elem_type].name for v in node.input], attrs)
+            node_aot = AOT_NODES[node.op_type].has_aot(act)
         for a in [a for a in node.attribute if a.name == "aot"]:
             node.attribute.remove(a)
-        node.attribute.append(helper.make_attribute("aot", int(aot)))
-        used[node.op_type] = "aot" if aot else "jit"
+        node.attribute.append(helper.make_attribute("aot", int(node_aot)))
+        used[node.op_type] = "aot" if node_aot else "jit"
     return dict(sorted(used.items()))
 
 

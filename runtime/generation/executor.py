@@ -86,16 +86,19 @@ class StageExecutor(Executor):
     def run_block(self, layer: int, plan: StepPlan, st: StepTensors, hidden: torch.Tensor) -> torch.Tensor:
         """One layer over the step's slot range; an expert-parallel stage runs its MoE layers split instead
         (runtime/distributed/expert_parallel.py)."""
-        mask = st.mask
-        if self.backend.reads_pages:  # the pool read where it lies
-            cache, mask = self.cache.paged(layer, st.page_table, st.ctx_lens, st.n_new), None
-        else:
-            cache = self.cache.gather(layer, st.gather_rows)
+        cache, mask = self.layer_cache(layer, st)
         t0 = time.perf_counter()
         hidden, new = self.backend.block(layer, hidden, st.rope_cos, st.rope_sin, mask, cache)
         self.clock.backend_s += time.perf_counter() - t0
         self.cache.write(layer, new, st.cache_rows, st.valid)  # the only write of this step
         return hidden
+
+    def layer_cache(self, layer: int, st: StepTensors):
+        """(cache, mask) a block attends with: the pool read where it lies (Backend.reads_pages; no mask), or the
+        step's gathered cache and its mask."""
+        if self.backend.reads_pages:
+            return self.cache.paged(layer, st.page_table, st.ctx_lens, st.n_new), None
+        return self.cache.gather(layer, st.gather_rows), st.mask
 
     def sample(self, plan: StepPlan, st: StepTensors, hidden: torch.Tensor) -> list[int | None]:
         """The head on each sampling sequence's last real position, then each row's own sampler."""

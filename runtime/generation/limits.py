@@ -73,7 +73,17 @@ class Limits:
         return cls(max_context=tightest(cfg.max_position_embeddings, max_context, backend.max_context),
                    max_batch=tightest(max_batch or DEFAULT_SLOTS, backend.max_batch),
                    prefill_chunk=tightest(prefill_chunk or DEFAULT_PREFILL_CHUNK, backend.max_tokens_per_step),
-                   mask_budget=mask_budget, cache_pages=cache_pages or 0, cache_parts=cache_parts)
+                   mask_budget=mask_budget, cache_pages=check_cache_pages(cache_pages, backend) or 0,
+                   cache_parts=cache_parts)
+
+
+def check_cache_pages(cache_pages: int | None, backend: BackendLimits) -> int | None:
+    """A pool size asked for, within what the backend takes (TensorRT engines bind at most max_cache_pages; the
+    default pool, the slots at max_context, always fits them)."""
+    if cache_pages and backend.max_cache_pages and cache_pages > backend.max_cache_pages:
+        raise K2Error(f"a cache of {cache_pages} pages exceeds the {backend.max_cache_pages} the engines take "
+                      "(rebuild them with a larger --max-batch or --max-seq)")
+    return cache_pages
 
 
 class RequestError(K2Error):

@@ -12,9 +12,9 @@ Flash-decoding, in two kernels:
 
   1. split_kernel, grid (B, row blocks, splits): a sequence's query rows — its Q queries × H heads flattened,
      query-major as q lies in memory, BLOCK_M at a time — against one split of its context: the sequence's
-     ceil(len / BLOCK_N) position blocks are dealt out in equal runs over the splits, so one long sequence fills
-     the GPU as well as many short ones. Each block of BLOCK_N positions (32 by default: half a page) is read
-     once for all BLOCK_M rows — MLA's single latent head is what makes a page worth reading once for every head
+     pages are dealt out in equal runs over the splits (graphs/mla_ref.split_partials_reference; runs of
+     steps where a step spans pages), so one long sequence fills the GPU as well as many short ones. Each
+     block of BLOCK_N positions (32 by default: half a page) is read once for all BLOCK_M rows — MLA's single latent head is what makes a page worth reading once for every head
      — with an online softmax (running max and sum in fp32, base 2). Out: the split's running max, sum and
      unnormalized weighted sum of c (fp32), or, with one split, o itself;
   2. merge_kernel, grid (B · Q · H): rescales the splits' partials to their common max and divides once.
@@ -127,11 +127,18 @@ def split_kernel(q_ptr, pool_ptr, kv_scale_ptr, table_ptr, len_ptr, new_ptr, n_n
     else:
         limit = seq_len - n_q + rows // H + 1  # query j sees positions < len - Q + j + 1 (causal among the new)
 
-    # this split's run of position blocks: the sequence's blocks dealt out evenly, so a split past them is empty
-    n_blocks = tl.cdiv(seq_len, BLOCK_N)
-    per_split = tl.cdiv(n_blocks, n_splits)
+    # this split's run of position blocks: the sequence's pages dealt out in equal runs (units of a page, or of a
+    # step where a step spans pages), so a split past them is empty and, for steps within a page (every AOT tile),
+    # which positions a split holds does not depend on the tile
+    if BLOCK_N <= PAGE:
+        unit = tl.cdiv(seq_len, PAGE)
+        unit_blocks = PAGE // BLOCK_N
+    else:
+        unit = tl.cdiv(seq_len, BLOCK_N)
+        unit_blocks = 1
+    per_split = tl.cdiv(unit, n_splits) * unit_blocks
     blk_lo = split * per_split
-    blk_hi = tl.minimum(blk_lo + per_split, n_blocks)
+    blk_hi = tl.minimum(blk_lo + per_split, tl.cdiv(seq_len, BLOCK_N))
 
     q_base = q_ptr + b.to(tl.int64) * rows_q * D + rows.to(tl.int64)[:, None] * D
     dl = tl.arange(0, DL)
@@ -299,6 +306,7 @@ def _check(q, pool, page_tables, lengths, latent_dim, config):
     return rope
 
 
+
 def mla_decode(q: torch.Tensor, pool: torch.Tensor, page_tables: torch.Tensor, lengths: torch.Tensor,
                softmax_scale: float, kv_scale: torch.Tensor | float | None = None, *, page_tokens: int,
                latent_dim: int = KV_LORA_RANK, splits: int | None = None, max_positions: int | None = None,
@@ -326,11 +334,9 @@ def mla_decode(q: torch.Tensor, pool: torch.Tensor, page_tables: torch.Tensor, l
     if b == 0 or n_q == 0 or heads == 0:
         return o
     scale = pool_scale(pool, kv_scale, q.device)
-    max_pages = page_tables.shape[1]
-    rows_q = n_q * heads
-    row_blocks = triton.cdiv(rows_q, config.block_m)
+    row_blocks = triton.cdiv(n_q * heads, config.block_m)
     if splits is None:
-        cap = max_pages * page_tokens if max_positions is None else max_positions
+        cap = page_tables.shape[1] * page_tokens if max_positions is None else max_positions
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else SM_COUNT_SM90
         splits = num_splits(b, row_blocks, cap, config.block_n, sms)
     if splits < 1:
@@ -344,18 +350,51 @@ def mla_decode(q: torch.Tensor, pool: torch.Tensor, page_tables: torch.Tensor, l
         news = (torch.full((b,), n_q, dtype=torch.int32, device=q.device) if n_new is None
                 else n_new.to(torch.int32).contiguous())
     if splits == 1:
-        part_acc = part_ml = o  # unused: the split kernel writes o
+        part_acc = part_ml = None  # the split kernel writes o
     else:
-        part_acc = torch.empty(b * rows_q * splits, latent_dim, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(b * rows_q * splits, 2, dtype=torch.float32, device=q.device)
-    pool_pages = max(1, pool.shape[0] // page_tokens)
-    split_kernel[(b, row_blocks, splits)](
-        q, pool, scale, tables, lens, q if new is None else new, lens if new is None else news, n_q, max_pages,
-        pool_pages, splits, part_acc, part_ml, o,
-        **split_constexprs(heads, latent_dim, rope, page_tokens, config, splits == 1, softmax_scale, q.dtype,
+        part_acc = torch.empty(b, n_q, heads, splits, latent_dim, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(b, n_q, heads, splits, 2, dtype=torch.float32, device=q.device)
+    _launch_split(q, pool, scale, tables, lens, new, news if new is not None else None, part_acc, part_ml, o,
+                  splits, softmax_scale, page_tokens, latent_dim, config)
+    if splits > 1:
+        decode_merge(part_acc, part_ml, o, config)
+    return o
+
+
+def _launch_split(q, pool, scale, tables, lens, new, n_new, part_acc, part_ml, o, splits, softmax_scale,
+                  page_tokens, latent_dim, config):
+    """One launch of the split kernel: direct (part_acc None: o written) or split (partials; o may be None).
+    A pointer the form never touches is given any tensor."""
+    b, n_q, heads, d = q.shape
+    direct = part_acc is None
+    unused = o if direct else part_acc
+    split_kernel[(b, triton.cdiv(n_q * heads, config.block_m), splits)](
+        q, pool, scale, tables, lens, q if new is None else new, lens if new is None else n_new, n_q,
+        tables.shape[1], max(1, pool.shape[0] // page_tokens), splits, part_acc if not direct else unused,
+        part_ml if not direct else unused, o if o is not None else unused,
+        **split_constexprs(heads, latent_dim, d - latent_dim, page_tokens, config, direct, softmax_scale, q.dtype,
                            pool.dtype, new is not None),
         num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=FP_FUSION)
-    if splits > 1:
-        merge_kernel[(b * rows_q,)](part_acc, part_ml, splits, o, DL=latent_dim, OUT=act_code(q.dtype),
-                                    num_warps=config.merge_warps, enable_fp_fusion=FP_FUSION)
-    return o
+
+
+def decode_split(q: torch.Tensor, pool: torch.Tensor, kv_scale: torch.Tensor, page_tables: torch.Tensor,
+                 lengths: torch.Tensor, new: torch.Tensor, n_new: torch.Tensor, part_acc: torch.Tensor,
+                 part_ml: torch.Tensor, *, softmax_scale: float, page_tokens: int, latent_dim: int = KV_LORA_RANK,
+                 config: MlaDecodeConfig = DEFAULT_CONFIG) -> None:
+    """The split kernel alone, in its split form, as the MlaDecodeSplit plugin runs it (its JIT body): the
+    step's rows dense in `new`; the partials written into part_acc [B, Q, H, S, latent] and part_ml [B, Q, H, S,
+    2] (float32, S splits), every argument contiguous on the device. decode_merge finishes it."""
+    _check(q, pool, page_tables, lengths, latent_dim, config)
+    check_new(new, q, q.shape[-1])
+    if q.shape[0] and q.shape[1]:
+        _launch_split(q, pool, kv_scale, page_tables, lengths, new, n_new, part_acc, part_ml, None,
+                      part_acc.shape[3], softmax_scale, page_tokens, latent_dim, config)
+
+
+def decode_merge(part_acc: torch.Tensor, part_ml: torch.Tensor, o: torch.Tensor,
+                 config: MlaDecodeConfig = DEFAULT_CONFIG) -> None:
+    """The merge kernel: o [B, Q, H, latent] (its dtype) from the partials [B, Q, H, S, ...] decode_split wrote."""
+    rows = part_acc.shape[0] * part_acc.shape[1] * part_acc.shape[2]
+    if rows:
+        merge_kernel[(rows,)](part_acc, part_ml, part_acc.shape[3], o, DL=o.shape[-1], OUT=act_code(o.dtype),
+                              num_warps=config.merge_warps, enable_fp_fusion=FP_FUSION)

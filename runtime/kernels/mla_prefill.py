@@ -216,23 +216,51 @@ def mla_prefill(q: torch.Tensor, pool: torch.Tensor, page_tables: torch.Tensor, 
     max_pages = page_tables.shape[1]
     p_cap = max_pages * page_tokens if max_positions is None else min(max_positions, max_pages * page_tokens)
     p_cap = max(p_cap, 1) + (0 if new is None else n_q)
-    numerics = math_constexprs(q.dtype, pool.dtype)
     q, pool, wkv = q.contiguous(), pool.contiguous(), wkv.contiguous()
     tables = page_tables.to(torch.int32).contiguous()
     lens = lengths.to(torch.int32).contiguous()
     news = n_new.to(torch.int32).contiguous()
     rows_new = q if new is None else new.contiguous()  # unread without `new`
-    pool_pages = max(1, pool.shape[0] // page_tokens)
     kv = torch.empty(b, p_cap, n_cols, dtype=q.dtype, device=q.device)  # the plugin's workspace
+    prefill_decompress(pool, scale, tables, lens, news, rows_new, wkv, kv, page_tokens=page_tokens,
+                       latent_dim=latent_dim, config=config, has_new=new is not None)
+    prefill_attend(q, pool, scale, tables, lens, news, rows_new, kv, o, softmax_scale=softmax_scale,
+                   page_tokens=page_tokens, latent_dim=latent_dim, config=config, has_new=new is not None)
+    return o
+
+
+def prefill_decompress(pool, kv_scale, page_tables, lengths, n_new, new, wkv, kv, *, page_tokens: int,
+                       latent_dim: int = KV_LORA_RANK, config: MlaPrefillConfig = DEFAULT_CONFIG,
+                       has_new: bool = True) -> None:
+    """The decompression kernel alone (the MlaDecompress plugin's JIT body): every position of each sequence
+    through wkv into kv [B, P, H · (nope + v)] (P positions: its scratch), in kv's dtype; arguments contiguous."""
+    b, p_cap, n_cols = kv.shape
+    if b == 0 or p_cap == 0:
+        return
     grid = (b, triton.cdiv(p_cap, config.decompress_p), triton.cdiv(n_cols, config.decompress_n))
     decompress_kernel[grid](
-        pool, scale, tables, lens, news, rows_new, wkv, n_q, max_pages, pool_pages, p_cap, n_cols, kv,
-        D=d, DL=latent_dim, PAGE=page_tokens, BLOCK_P=config.decompress_p, BLOCK_N=config.decompress_n,
-        BLOCK_K=config.decompress_k, HAS_NEW=new is not None, **numerics,
-        num_warps=config.decompress_warps, enable_fp_fusion=FP_FUSION)
+        pool, kv_scale, page_tables, lengths, n_new, new, wkv, new.shape[1], page_tables.shape[1],
+        max(1, pool.shape[0] // page_tokens), p_cap, n_cols, kv,
+        D=pool.shape[-1], DL=latent_dim, PAGE=page_tokens, BLOCK_P=config.decompress_p,
+        BLOCK_N=config.decompress_n, BLOCK_K=config.decompress_k, HAS_NEW=has_new,
+        **math_constexprs(kv.dtype, pool.dtype), num_warps=config.decompress_warps, enable_fp_fusion=FP_FUSION)
+
+
+def prefill_attend(q, pool, kv_scale, page_tables, lengths, n_new, new, kv, o, *, softmax_scale: float,
+                   page_tokens: int, latent_dim: int = KV_LORA_RANK, config: MlaPrefillConfig = DEFAULT_CONFIG,
+                   has_new: bool = True) -> None:
+    """The attention kernel alone (the MlaAttend plugin's JIT body): o [B, T, H, v] from the queries, the
+    decompressed rows kv and the rope keys where they lie; arguments contiguous."""
+    b, n_q, heads, qd = q.shape
+    d = pool.shape[-1]
+    rope = d - latent_dim
+    v = o.shape[-1]
+    if b == 0 or n_q == 0 or heads == 0:
+        return
     attend_kernel[(b, heads, triton.cdiv(n_q, config.block_m))](
-        q, pool, scale, tables, lens, news, rows_new, kv, n_q, max_pages, pool_pages, p_cap, o,
-        H=heads, NOPE=nope, DR=rope, DV=v_head_dim, D=d, DL=latent_dim, PAGE=page_tokens, BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n, SM_SCALE=float(softmax_scale), HAS_NEW=new is not None, **numerics,
-        num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=FP_FUSION)
-    return o
+        q, pool, kv_scale, page_tables, lengths, n_new, new, kv, n_q, page_tables.shape[1],
+        max(1, pool.shape[0] // page_tokens), kv.shape[1], o,
+        H=heads, NOPE=qd - rope, DR=rope, DV=v, D=d, DL=latent_dim, PAGE=page_tokens, BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, SM_SCALE=float(softmax_scale), HAS_NEW=has_new,
+        **math_constexprs(q.dtype, pool.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
+        enable_fp_fusion=FP_FUSION)

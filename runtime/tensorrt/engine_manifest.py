@@ -18,7 +18,7 @@ from k2trt.schema import ListOf, MapOf, check
 from k2trt.runtime.tensorrt.environment import current_environment, max_ptx_for_cuda, ptx_text
 from k2trt.runtime.tensorrt.profiles import Profile, ProfileSpec
 
-FORMAT = "k2trt-engines/1"
+FORMAT = "k2trt-engines/2"  # 2: paged attention engines, a prefill form per attention kind
 
 
 class EngineMismatch(K2Error):

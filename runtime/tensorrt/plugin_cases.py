@@ -8,7 +8,7 @@ are the references' outputs of the stages before it, so a case checks one kernel
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import onnx
 import torch
@@ -18,7 +18,7 @@ from k2trt.dtypes import dtype as dtype_info
 from k2trt.dtypes import name_of, one_ulp
 from k2trt.export.block_graphs import IR_VERSION, OPSET
 from k2trt.export.onnx_ops import plugin_attributes
-from k2trt.graphs import contracts, int4, moe_ref
+from k2trt.graphs import contracts, int4, mla_ref, moe_ref
 from k2trt.graphs.fp8 import PER_TOKEN_GROUP, dequant_activation, fp8_block_linear, quantize_weight
 
 # B·T tokens; E experts of d -> I -> d, top-K; the linear maps d -> N (N = 200: a partial scale block)
@@ -34,8 +34,10 @@ class NodeCase:
     activation_quant: int
     inputs: dict[str, torch.Tensor]
     attrs: dict[str, int]
-    expected: dict[str, torch.Tensor]
+    expected: dict[str, torch.Tensor]  # NaN where the contract leaves an output unwritten
     dims: dict[str, list]  # every input's and output's dims for the ONNX graph (names are dynamic)
+    # output -> (relative, fraction of max|reference|) where a kernel rounds more than its output's dtype does
+    tolerance: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -85,7 +87,7 @@ def node_cases(act: str = "bfloat16", activation_quant: int = PER_TOKEN_GROUP, s
         NodeCase("MoeCombine", act, aq, {"pair_out": pair_out, "topk_weights": topk_w}, {}, {"y": y},
                  {"pair_out": n + [D], "topk_weights": tok + [K], "y": tok + [D]}),
     ]
-    return fp8_cases + _int4_cases(act, aq, g, x, sorted_pairs, offsets, tok, n, e1)
+    return fp8_cases + _int4_cases(act, aq, g, x, sorted_pairs, offsets, tok, n, e1) + _mla_cases(act, aq, g)
 
 
 def _int4_experts(g: torch.Generator, rows: int, cols: int, dt: torch.dtype):
@@ -113,6 +115,65 @@ def _int4_cases(act, aq, g, x, sorted_pairs, offsets, tok, n, e1) -> list[NodeCa
                  {"pair_out": pair_out},
                  {"h": n + [INTER], "sorted_pairs": n, "expert_offsets": e1, "down_weight_packed": list(dp.shape),
                   "down_weight_scale": list(ds.shape), "pair_out": n + [D]}),
+    ]
+
+
+# The paged attention's stages: three sequences over a pool of 8 pages with holes and a shared page, a context
+# ending mid-page, an empty one and one over three pages; 3, 2 and 1 real rows of the step's 3.
+# Pages of 32 positions: at least the split kernel's step (graphs/mla_ref.split_partials_reference deals pages).
+MLA_HEADS, MLA_LATENT, MLA_ROPE, MLA_NOPE, MLA_V, MLA_PAGE = 2, 64, 16, 32, 32, 32
+MLA_TABLES = [[5, 2, 7], [0, 0, 0], [2, 6, 1]]
+MLA_CONTEXT, MLA_NEW, MLA_T = [17, 0, 70], [3, 2, 1], 3
+
+
+def _mla_cases(act: str, aq: int, g: torch.Generator) -> list[NodeCase]:
+    """MlaDecodeSplit, MlaDecodeMerge (on the split's reference partials), MlaDecompress and MlaAttend (on the
+    decompression's reference rows). The split's and the attention's kernels round the probabilities to the
+    activation dtype for their second dot (mla_decode's numerics): two of its ulps of the largest value."""
+    from k2trt.runtime.tensorrt.plugins import decode_splits
+
+    dt = dtype_info(act).torch
+    b, t, h, width = len(MLA_TABLES), MLA_T, MLA_HEADS, MLA_LATENT + MLA_ROPE
+    scale = (MLA_NOPE + MLA_ROPE) ** -0.5
+    pool = torch.randn(8 * MLA_PAGE, width, generator=g).to(dt)
+    tables = torch.tensor(MLA_TABLES, dtype=torch.int32)
+    lens, n_new = torch.tensor(MLA_CONTEXT, dtype=torch.int32), torch.tensor(MLA_NEW, dtype=torch.int32)
+    new = torch.randn(b, t, width, generator=g).to(dt)
+    q_full = torch.randn(b, t, h, width, generator=g).to(dt)
+    q = torch.randn(b, t, h, MLA_NOPE + MLA_ROPE, generator=g).to(dt)
+    kv_b = (torch.randn(h * (MLA_NOPE + MLA_V), MLA_LATENT, generator=g) * MLA_LATENT ** -0.5).to(dt)
+    one = torch.ones(1)
+    splits = decode_splits(b, t, h, len(MLA_TABLES[0]), MLA_PAGE)
+    part_acc, part_ml = mla_ref.split_partials_reference(q_full, pool, tables, lens, new, n_new, scale, MLA_PAGE,
+                                                         splits, MLA_LATENT)
+    positions = len(MLA_TABLES[0]) * MLA_PAGE + t
+    kv = mla_ref.decompress_reference(pool, tables, lens, n_new, new, kv_b, MLA_PAGE, positions, MLA_LATENT)
+    o = mla_ref.paged_mla_prefill_reference(q, pool, tables, lens, n_new, kv_b, scale, MLA_PAGE, MLA_V,
+                                            latent_dim=MLA_LATENT, new=new)
+    paged = {"kv_pool": pool, "kv_scale": one, "page_table": tables, "ctx_lens": lens}
+    paged_dims = {"kv_pool": ["rows", width], "kv_scale": [1], "page_table": ["B", "pages"], "ctx_lens": ["B"],
+                  "n_new": ["B"], "latent_new": ["B", "T", width]}
+    parts = ["B", "T", h, "S"]
+    sizes = {"page_tokens": MLA_PAGE, "latent_dim": MLA_LATENT}
+    heads = {"heads": h, "nope_dim": MLA_NOPE, "rope_dim": MLA_ROPE, "v_head_dim": MLA_V}
+    rounded = (one_ulp(act), 2 * one_ulp(act) + TIGHT)
+    return [
+        NodeCase("MlaDecodeSplit", act, aq, {"q_full": q_full, **paged, "latent_new": new, "n_new": n_new},
+                 {"softmax_scale": scale, **sizes, "heads": h}, {"part_acc": part_acc, "part_ml": part_ml},
+                 {"q_full": ["B", "T", h, width], **paged_dims, "part_acc": parts + [MLA_LATENT],
+                  "part_ml": parts + [2]}, {"part_acc": rounded}),
+        NodeCase("MlaDecodeMerge", act, aq, {"part_acc": part_acc, "part_ml": part_ml},
+                 {"out_dtype": dtype_info(act).onnx},
+                 {"o_lat": mla_ref.merge_partials_reference(part_acc, part_ml, dt)},
+                 {"part_acc": parts + [MLA_LATENT], "part_ml": parts + [2], "o_lat": ["B", "T", h, MLA_LATENT]}),
+        NodeCase("MlaDecompress", act, aq, {**paged, "n_new": n_new, "latent_new": new, "kv_b": kv_b},
+                 {**sizes, **heads}, {"kv": kv},
+                 {**paged_dims, "kv_b": list(kv_b.shape), "kv": ["B", "P", kv_b.shape[0]]}),
+        NodeCase("MlaAttend", act, aq, {"q": q, **paged, "n_new": n_new, "latent_new": new,
+                                        "kv": kv.nan_to_num(0.0)},
+                 {"softmax_scale": scale, **sizes, **heads}, {"o": o},
+                 {"q": ["B", "T", h, MLA_NOPE + MLA_ROPE], **paged_dims, "kv": ["B", "P", kv_b.shape[0]],
+                  "o": ["B", "T", h, MLA_V]}, {"o": rounded}),
     ]
 
 
@@ -153,15 +214,21 @@ def mismatches(case: NodeCase, outputs: dict[str, torch.Tensor]) -> list[str]:
         elif name == "h_scale":
             problems.append(_close(name, g.float(), want.float(), one_ulp(case.act)))
         else:
-            problems.append(_close(name, g.float(), want.float(), one_ulp(name_of(want.dtype))))
+            problems.append(_close(name, g.float(), want.float(),
+                                   *case.tolerance.get(name, (one_ulp(name_of(want.dtype)), TIGHT))))
     return [p for p in problems if p]
 
 
-def _close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float) -> str | None:
+def _close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float, atol_of_max: float = TIGHT) -> str | None:
+    """Within rtol of each reference value plus atol_of_max of the largest; NaN in the reference: unspecified."""
+    written = ~torch.isnan(want)
+    got, want = got[written], want[written]
     if not bool(torch.isfinite(got).all()):
         return f"{name}: non-finite values"
+    if want.numel() == 0:
+        return None
     err = (got - want).abs()
-    limit = rtol * want.abs() + TIGHT * want.abs().max()
+    limit = rtol * want.abs() + atol_of_max * want.abs().max()
     bad = int((err > limit).sum())
     return None if bad == 0 else f"{name}: {bad} of {want.numel()} elements off (max error {err.max().item():.3g})"
 

@@ -127,9 +127,9 @@ def io_dtypes(op_type: str, act: str | None, activation_quant: int) -> list[str]
 
 
 def _activation_of(op_type: str, dtypes: list[str], attrs: dict) -> str | None:
-    """The activation dtype a node computes in: its first activation input's (MoeDown: its out_dtype attribute);
-    None for a node with no activations (MoeAlign)."""
-    if op_type == "MoeDown":
+    """The activation dtype a node computes in: its first activation input's (MoeDown, MlaDecodeMerge: their
+    out_dtype attribute); None for a node with no activations (MoeAlign)."""
+    if op_type in ("MoeDown", "MlaDecodeMerge"):
         return BY_ONNX[int(attrs["out_dtype"])].name
     c = contracts.CONTRACTS[op_type]
     return next((dt for port, dt in zip(c.inputs, dtypes) if port.dtypes == contracts.ACTIVATION_DTYPES), None)
@@ -167,7 +167,42 @@ def output_shapes(op_type: str, shapes: list, attrs: dict) -> list[list]:
         return [[s["sorted_pairs"][0], s["gate_weight_packed"][1]]]
     if op_type == "MoeDownInt4":
         return [[s["h"][0], s["down_weight_packed"][1]]]
+    if op_type == "MlaDecodeSplit":
+        b, t, heads, _ = s["q_full"]
+        splits = decode_splits(b, t, heads, s["page_table"][1], int(attrs["page_tokens"]))
+        return [[b, t, heads, splits, int(attrs["latent_dim"])], [b, t, heads, splits, 2]]
+    if op_type == "MlaDecodeMerge":
+        return [list(s["part_acc"][:3]) + [s["part_acc"][4]]]
+    if op_type == "MlaDecompress":
+        b, t = s["latent_new"][:2]
+        columns = int(attrs["heads"]) * (int(attrs["nope_dim"]) + int(attrs["v_head_dim"]))
+        return [[b, s["page_table"][1] * int(attrs["page_tokens"]) + t, columns]]
+    if op_type == "MlaAttend":
+        return [[*s["q"][:3], int(attrs["v_head_dim"])]]
     raise KeyError(op_type)
+
+
+# The decode's context splits (flash-decoding) as a function of the shapes, as TensorRT needs an output's size:
+# mla_decode.num_splits' rule — the grid about twice an H100's SMs, no split shorter than SPLIT_POSITIONS, at most
+# MAX_SPLITS — with the row blocks counted at the AOT tiles' height (16 rows; the kernel takes any count at run
+# time, so this only sizes the work). Ints give ints (the cases, the tests); shape expressions give expressions.
+SPLIT_ROWS = 16
+SPLIT_POSITIONS = 16
+
+
+def decode_splits(batch, n_q, heads: int, max_pages, page_tokens: int):
+    from k2trt.runtime.kernels.mla_decode import MAX_SPLITS, SM_COUNT_SM90
+
+    if all(isinstance(v, int) for v in (batch, n_q, max_pages)):
+        cdiv, minimum, maximum = (lambda a, b: -(-a // b)), min, max
+    else:
+        import tensorrt.plugin as trtp
+
+        cdiv, minimum, maximum = trtp.cdiv, trtp.min, trtp.max
+    programs = batch * cdiv(n_q * heads, SPLIT_ROWS)
+    fill = cdiv(2 * SM_COUNT_SM90, programs)
+    longest = cdiv(max_pages * page_tokens, SPLIT_POSITIONS)
+    return maximum(minimum(minimum(fill, longest), MAX_SPLITS), 1)
 
 
 def _product(dims):
@@ -248,14 +283,17 @@ def _combination(op_type: str, inputs, outputs):
 
 def _aot_launch(launch, grid, extra):
     """aot_impl's return value: the launch compiled for this build's target (shrunk to fit, if need be), its launch
-    grid — grid(launch as compiled) -> (grid_x, grid_y) — and the extra int32 scalars."""
+    grid — grid(launch as compiled) -> (grid_x[, grid_y[, grid_z]]) — and the extra int32 scalars."""
     import tensorrt.plugin as trtp
 
     from k2trt.runtime.aot import ptx as aot
 
     launch, kernel = aot.compile_launch(launch)
     params = trtp.KernelLaunchParams()
-    params.grid_x, params.grid_y = grid(launch)
+    xyz = grid(launch)  # (x, y) or (x, y, z); a launch's grid is 1-, 2- or 3-D
+    params.grid_x, params.grid_y = xyz[0], xyz[1] if len(xyz) > 1 else 1
+    if len(xyz) > 2:
+        params.grid_z = xyz[2]
     params.block_x = kernel.block_x
     params.shared_mem = kernel.shared
     args = trtp.SymIntExprs(len(extra))
@@ -288,7 +326,7 @@ def _node_launch(op_type: str, descs: dict, attrs: dict, act: str | None, tactic
 
     row = AOT_NODES[op_type]
     aq = int(attribute(attrs["activation_quant"])) if "activation_quant" in attrs else contracts.W8A8
-    return row.launch(act, aq, int(tactic), row.sizes_of(dim, lambda a: int(attribute(attrs[a]))))
+    return row.launch(act, aq, int(tactic), row.sizes_of(dim, lambda a: attribute(attrs[a])))
 
 
 def _rows(desc):
@@ -485,6 +523,141 @@ def moe_down_int4_aot_impl(h, sorted_pairs, expert_offsets, down_weight_packed, 
     return _moe_aot(launch, h.shape_expr[0], None)
 
 
+# The paged attention's four stages (kv_scale: the pool's one-element float32 scale, an input like the others).
+_MLA_POOL = "kv_pool, kv_scale, page_table, ctx_lens"
+
+
+def _mla_aot(op_type: str, descs: dict, attrs: dict, act: str, tactic, grid, extra):
+    """aot_impl of an MLA stage: grid(launch) and extra(launch) on the launch as compiled."""
+    launch = _node_launch(op_type, descs, attrs, act, tactic)
+    return _aot_launch(launch, grid, extra(launch))
+
+
+def _pool_pages(kv_pool, page_tokens):
+    return kv_pool.shape_expr[0] // int(attribute(page_tokens))
+
+
+# MlaDecodeSplit
+def mla_decode_split_desc(q_full, kv_pool, kv_scale, page_table, ctx_lens, latent_new, n_new, softmax_scale,
+                          page_tokens, latent_dim, heads):
+    return _descs("MlaDecodeSplit", (q_full, kv_pool, kv_scale, page_table, ctx_lens, latent_new, n_new),
+                  {"page_tokens": attribute(page_tokens), "latent_dim": attribute(latent_dim)})
+
+
+def mla_decode_split_autotune(q_full, kv_pool, kv_scale, page_table, ctx_lens, latent_new, n_new, outputs):
+    return _combination("MlaDecodeSplit", (q_full, kv_pool, kv_scale, page_table, ctx_lens, latent_new, n_new),
+                        outputs)
+
+
+def mla_decode_split_impl(q_full, kv_pool, kv_scale, page_table, ctx_lens, latent_new, n_new, softmax_scale,
+                          page_tokens, latent_dim, heads, outputs, stream):
+    from k2trt.runtime.kernels.mla_decode import decode_split
+
+    with _on_stream(stream):
+        decode_split(*(as_torch(t) for t in (q_full, kv_pool, kv_scale, page_table, ctx_lens, latent_new, n_new)),
+                     as_torch(outputs[0]), as_torch(outputs[1]), softmax_scale=attribute(softmax_scale),
+                     page_tokens=attribute(page_tokens), latent_dim=attribute(latent_dim))
+
+
+def mla_decode_split_aot_impl(q_full, kv_pool, kv_scale, page_table, ctx_lens, latent_new, n_new, softmax_scale,
+                              page_tokens, latent_dim, heads, outputs, tactic):
+    b, t = q_full.shape_expr[0], q_full.shape_expr[1]
+    max_pages, splits = page_table.shape_expr[1], outputs[0].shape_expr[3]
+    attrs = {"softmax_scale": softmax_scale, "page_tokens": page_tokens, "latent_dim": latent_dim, "heads": heads}
+    return _mla_aot("MlaDecodeSplit", {"kv_pool": kv_pool}, attrs, our_dtype(q_full.dtype), tactic,
+                    lambda p: p.grid(b, t, splits),
+                    lambda p: p.extra_args(t, max_pages, _pool_pages(kv_pool, page_tokens), splits))
+
+
+# MlaDecodeMerge
+def mla_decode_merge_desc(part_acc, part_ml, out_dtype):
+    return _descs("MlaDecodeMerge", (part_acc, part_ml), {"out_dtype": attribute(out_dtype)})
+
+
+def mla_decode_merge_autotune(part_acc, part_ml, outputs):
+    return _combination("MlaDecodeMerge", (part_acc, part_ml), outputs)
+
+
+def mla_decode_merge_impl(part_acc, part_ml, out_dtype, outputs, stream):
+    from k2trt.runtime.kernels.mla_decode import decode_merge
+
+    with _on_stream(stream):
+        decode_merge(as_torch(part_acc), as_torch(part_ml), as_torch(outputs[0]))
+
+
+def mla_decode_merge_aot_impl(part_acc, part_ml, out_dtype, outputs, tactic):
+    rows = _product([part_acc.shape_expr[i] for i in range(3)])
+    splits = part_acc.shape_expr[3]
+    return _mla_aot("MlaDecodeMerge", {"part_acc": part_acc}, {}, BY_ONNX[int(attribute(out_dtype))].name, tactic,
+                    lambda p: p.grid(rows), lambda p: p.extra_args(splits))
+
+
+# MlaDecompress
+def mla_decompress_desc(kv_pool, kv_scale, page_table, ctx_lens, n_new, latent_new, kv_b, page_tokens, latent_dim,
+                        heads, nope_dim, rope_dim, v_head_dim):
+    return _descs("MlaDecompress", (kv_pool, kv_scale, page_table, ctx_lens, n_new, latent_new, kv_b),
+                  {"page_tokens": attribute(page_tokens), "heads": attribute(heads),
+                   "nope_dim": attribute(nope_dim), "v_head_dim": attribute(v_head_dim)})
+
+
+def mla_decompress_autotune(kv_pool, kv_scale, page_table, ctx_lens, n_new, latent_new, kv_b, outputs):
+    return _combination("MlaDecompress", (kv_pool, kv_scale, page_table, ctx_lens, n_new, latent_new, kv_b), outputs)
+
+
+def mla_decompress_impl(kv_pool, kv_scale, page_table, ctx_lens, n_new, latent_new, kv_b, page_tokens, latent_dim,
+                        heads, nope_dim, rope_dim, v_head_dim, outputs, stream):
+    from k2trt.runtime.kernels.mla_prefill import prefill_decompress
+
+    with _on_stream(stream):
+        prefill_decompress(*(as_torch(t) for t in (kv_pool, kv_scale, page_table, ctx_lens, n_new, latent_new,
+                                                   kv_b, outputs[0])),
+                           page_tokens=attribute(page_tokens), latent_dim=attribute(latent_dim))
+
+
+def mla_decompress_aot_impl(kv_pool, kv_scale, page_table, ctx_lens, n_new, latent_new, kv_b, page_tokens,
+                            latent_dim, heads, nope_dim, rope_dim, v_head_dim, outputs, tactic):
+    b, t = latent_new.shape_expr[0], latent_new.shape_expr[1]
+    max_pages, positions = page_table.shape_expr[1], outputs[0].shape_expr[1]
+    attrs = {"page_tokens": page_tokens, "latent_dim": latent_dim, "heads": heads, "nope_dim": nope_dim,
+             "v_head_dim": v_head_dim}
+    return _mla_aot("MlaDecompress", {"kv_pool": kv_pool}, attrs, our_dtype(latent_new.dtype), tactic,
+                    lambda p: p.grid(b, positions),
+                    lambda p: p.extra_args(t, max_pages, _pool_pages(kv_pool, page_tokens), positions))
+
+
+# MlaAttend
+def mla_attend_desc(q, kv_pool, kv_scale, page_table, ctx_lens, n_new, latent_new, kv, softmax_scale, page_tokens,
+                    latent_dim, heads, nope_dim, rope_dim, v_head_dim):
+    return _descs("MlaAttend", (q, kv_pool, kv_scale, page_table, ctx_lens, n_new, latent_new, kv),
+                  {"v_head_dim": attribute(v_head_dim)})
+
+
+def mla_attend_autotune(q, kv_pool, kv_scale, page_table, ctx_lens, n_new, latent_new, kv, outputs):
+    return _combination("MlaAttend", (q, kv_pool, kv_scale, page_table, ctx_lens, n_new, latent_new, kv), outputs)
+
+
+def mla_attend_impl(q, kv_pool, kv_scale, page_table, ctx_lens, n_new, latent_new, kv, softmax_scale, page_tokens,
+                    latent_dim, heads, nope_dim, rope_dim, v_head_dim, outputs, stream):
+    from k2trt.runtime.kernels.mla_prefill import prefill_attend
+
+    with _on_stream(stream):
+        prefill_attend(*(as_torch(t) for t in (q, kv_pool, kv_scale, page_table, ctx_lens, n_new, latent_new, kv,
+                                               outputs[0])),
+                       softmax_scale=attribute(softmax_scale), page_tokens=attribute(page_tokens),
+                       latent_dim=attribute(latent_dim))
+
+
+def mla_attend_aot_impl(q, kv_pool, kv_scale, page_table, ctx_lens, n_new, latent_new, kv, softmax_scale,
+                        page_tokens, latent_dim, heads, nope_dim, rope_dim, v_head_dim, outputs, tactic):
+    b, t = q.shape_expr[0], q.shape_expr[1]
+    max_pages, positions = page_table.shape_expr[1], kv.shape_expr[1]
+    attrs = {"softmax_scale": softmax_scale, "page_tokens": page_tokens, "latent_dim": latent_dim, "heads": heads,
+             "nope_dim": nope_dim, "v_head_dim": v_head_dim}
+    return _mla_aot("MlaAttend", {"kv_pool": kv_pool}, attrs, our_dtype(q.dtype), tactic,
+                    lambda p: p.grid(b, t),
+                    lambda p: p.extra_args(t, max_pages, _pool_pages(kv_pool, page_tokens), positions))
+
+
 # op_type -> (register, impl, autotune, aot_impl)
 PLUGIN_FUNCTIONS = {
     "Fp8BlockLinear": (fp8_block_linear_desc, fp8_block_linear_impl, fp8_block_linear_autotune,
@@ -496,6 +669,12 @@ PLUGIN_FUNCTIONS = {
     "MoeGateUpInt4": (moe_gate_up_int4_desc, moe_gate_up_int4_impl, moe_gate_up_int4_autotune,
                       moe_gate_up_int4_aot_impl),
     "MoeDownInt4": (moe_down_int4_desc, moe_down_int4_impl, moe_down_int4_autotune, moe_down_int4_aot_impl),
+    "MlaDecodeSplit": (mla_decode_split_desc, mla_decode_split_impl, mla_decode_split_autotune,
+                       mla_decode_split_aot_impl),
+    "MlaDecodeMerge": (mla_decode_merge_desc, mla_decode_merge_impl, mla_decode_merge_autotune,
+                       mla_decode_merge_aot_impl),
+    "MlaDecompress": (mla_decompress_desc, mla_decompress_impl, mla_decompress_autotune, mla_decompress_aot_impl),
+    "MlaAttend": (mla_attend_desc, mla_attend_impl, mla_attend_autotune, mla_attend_aot_impl),
 }
 
 

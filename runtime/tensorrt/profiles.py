@@ -4,8 +4,12 @@ Every graph gets two profiles, in this order (the runtime selects them by index)
   0 "prefill": T in 1..max_prefill (tuned for opt_prefill), B in 1..max_batch, P in 1..max_seq rounded up to a
      multiple of 16 (the runtime's capacity steps: contract.CAPACITY_MULTIPLE);
   1 "decode":  T = 1, the same B and P ranges — decode kernels get their own tactics.
-P is the cache capacity: the runtime hands the whole preallocated cache to every block, so P >= T always and
-"P+T" (the keys) is evaluated from the P and T ranges. Weights have static shapes and need no profile entry.
+P is the cache capacity of a graph that takes the gathered cache: P >= T always and "P+T" (the keys) is evaluated
+from the P and T ranges. A graph that reads the pool in place (export/trt_form.py) has instead "pages", the width
+of the page tables (1..max_seq in pages), and "rows", the layer pool's rows (up to max_batch sequences of max_seq:
+the runtime's default pool, runtime/generation/limits.py, and the most BackendLimits lets it hold); its prefill
+form's decompressed rows, "pages*64+T" per sequence, are activation memory TensorRT plans for the largest pages.
+Weights have static shapes and need no profile entry.
 The experts graph of an expert-parallel MoE block takes R rows, the (token, expert) pairs dispatched to its rank:
 in decode at most every rank's B·k (the router may send them all to one rank), in prefill one call takes up to
 B·T·k of them (max_rows_per_call; the runtime splits a larger dispatch into calls of that many, rows being
@@ -20,8 +24,14 @@ from dataclasses import asdict, dataclass
 
 from k2trt.errors import K2Error
 from k2trt.runtime.backends.contract import round_capacity
+from k2trt.runtime.aot.mla import PAGE_TOKENS  # the cache's (runtime/cache/pages.py; a test holds them equal)
 
 PROFILE_NAMES = ("prefill", "decode")
+
+
+def pages_for(positions: int) -> int:
+    """Pages of PAGE_TOKENS positions that hold `positions`."""
+    return -(-positions // PAGE_TOKENS)
 PREFILL, DECODE = 0, 1  # profile indices, in engine order
 
 
@@ -59,7 +69,10 @@ class ProfileSpec:
         if profile not in PROFILE_NAMES:
             raise ProfileError(f"unknown profile {profile!r}; expected one of {PROFILE_NAMES}")
         t = (1, self.opt_prefill, self.max_prefill) if profile == "prefill" else (1, 1, 1)
-        dims = {"B": (1, self.opt_batch, self.max_batch), "T": t, "P": (1, self.opt_seq, self.max_capacity)}
+        pages = (1, pages_for(self.opt_seq), pages_for(self.max_capacity))
+        dims = {"B": (1, self.opt_batch, self.max_batch), "T": t, "P": (1, self.opt_seq, self.max_capacity),
+                "pages": pages, "rows": (PAGE_TOKENS, self.opt_batch * pages[1] * PAGE_TOKENS,
+                                         self.pool_pages * PAGE_TOKENS)}
         if dispatch is not None:
             dims["R"] = self.row_range(profile, dispatch["top_k"], dispatch["ranks"])
         return dims
@@ -78,6 +91,11 @@ class ProfileSpec:
         """The largest cache capacity P a call may have: --max-seq rounded up to whole capacity steps (the runtime's
         capacities are multiples of contract.CAPACITY_MULTIPLE, so cache slot views stay 256-byte aligned)."""
         return round_capacity(self.max_seq)
+
+    @property
+    def pool_pages(self) -> int:
+        """The most pages a layer's pool may hold: max_batch sequences at max_seq."""
+        return self.max_batch * pages_for(self.max_capacity)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -184,6 +202,14 @@ def graph_profiles(spec: ProfileSpec, graph: dict) -> list[Profile]:
 def profile_index(t: int) -> int:
     """The profile a call with T new positions runs under."""
     return DECODE if t == 1 else PREFILL
+
+
+def check_table_pages(spec: ProfileSpec, pages: int) -> None:
+    """Refuse page tables wider than the engines' "pages" range."""
+    most = pages_for(spec.max_capacity)
+    if not 1 <= pages <= most:
+        raise K2Error(f"page tables of {pages} pages are outside the engines' range 1..{most} (--max-seq "
+                      f"{spec.max_seq}); rebuild with a larger --max-seq or shorten the request")
 
 
 def check_call_shape(spec: ProfileSpec, batch: int, t: int, capacity: int) -> None:

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Callable
 
 from k2trt.errors import K2Error
-from k2trt.config import BLOCK_ACTIVATIONS
+from k2trt.export.block_graphs import activation_io, paged_io
+from k2trt.export.trt_form import attends
 from k2trt.runtime.backends.factory import BackendChoice, open_backend
 from k2trt.tools.compare.per_block import FeedTransform, block_rows
 from k2trt.tools.compare.e2e import e2e_rows
@@ -53,7 +54,9 @@ def check_export(setup: Setup, cfg) -> None:
     check_matches(manifest, cfg, str(setup.export_dir))
     for key, entry in manifest["graphs"].items():
         acts = [i["name"] for i in entry["inputs"] if i["name"] not in entry["weights"]]
-        if acts != list(BLOCK_ACTIVATIONS[entry["kind"]][0]):
+        paged = entry["form"] == "tensorrt" and attends(entry["kind"])  # the pool read in place
+        want = [n for n, _, _ in (paged_io if paged else activation_io)(cfg, entry["kind"], manifest["act_dtype"])[0]]
+        if acts != want:
             raise K2Error(f"{setup.export_dir}: graph {key} has activation inputs {acts}; re-export with this version")
 
 
@@ -69,21 +72,23 @@ def compare(setup: Setup, log: Callable[[str], None] = lambda m: print(m, file=s
         weights = setup.backend_weights if setup.backend_weights is not None else setup.weights
         backends = {c.name: open_backend(c, weights) for c in setup.choices()}  # fail early on a missing one
     save_root = Path(setup.save_dir or Path(setup.export_dir) / "compare")
-    goldens: dict[int, object] = {}
+    goldens: dict[tuple, object] = {}
     rows: list[Row] = []
     for name, backend in backends.items():
         aq = backend.activation_quant
-        if aq not in goldens:
-            log(f"compare: reference run (activation_quant={aq}) on {len(setup.prompts)} prompt(s)")
-            goldens[aq] = capture(TorchBackend(setup.weights, "float32", aq), cfg, setup.prompts, layers,
-                                  setup.tokens)
+        key = (aq, bool(getattr(backend, "reads_pages", False)))  # its FP8 convention, and the cache form it takes
+        if key not in goldens:
+            log(f"compare: reference run (activation_quant={aq}{', pages' if key[1] else ''}) on "
+                f"{len(setup.prompts)} prompt(s)")
+            goldens[key] = capture(TorchBackend(setup.weights, "float32", aq), cfg, setup.prompts, layers,
+                                   setup.tokens, paged=key[1])
         tol = tolerance(backend.act_dtype, aq)
         log(f"compare: {name}: {len(layers)} blocks")
-        rows += block_rows(name, backend, goldens[aq], save_root, tol, setup.feed_transform,
+        rows += block_rows(name, backend, goldens[key], save_root, tol, setup.feed_transform,
                            _providers(setup, name))
         if setup.tokens:
             log(f"compare: {name}: end to end, {setup.tokens} greedy tokens")
-            rows += e2e_rows(name, backend, goldens[aq], cfg, tol)
+            rows += e2e_rows(name, backend, goldens[key], cfg, tol)
     return Report(rows)
 
 

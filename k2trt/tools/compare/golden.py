@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from k2trt.config import BLOCK_ACTIVATIONS
+from k2trt.graphs.blocks import PagedCache
 from k2trt.runtime.backends.contract import BackendWrapper
 from k2trt.runtime.generation.generator import Generator
 
@@ -43,16 +44,19 @@ class Golden:
 def _np(t: torch.Tensor) -> np.ndarray:
     # A copy: the generator writes into the cache it handed over right after the block returns.
     t = t.detach().cpu()
-    return (t if t.dtype == torch.int64 else t.float()).numpy().copy()
+    return (t if t.dtype in (torch.int64, torch.int32) else t.float()).numpy().copy()
 
 
 class Recorder(BackendWrapper):
     """A Backend that forwards to `inner` and records the chosen calls of the first `steps` steps.
     `wanted`: (kind, layer) pairs to record, layer None for the embedding and the head."""
 
-    def __init__(self, inner, cfg, wanted: list[tuple[str, int | None]], steps: int = GOLDEN_STEPS):
+    def __init__(self, inner, cfg, wanted: list[tuple[str, int | None]], steps: int = GOLDEN_STEPS,
+                 paged: bool = False):
         super().__init__(inner)
-        self.reads_pages = False  # its feeds are the graphs' inputs: the gathered cache and its mask
+        # its feeds are a graph's inputs: the gathered cache and its mask, or (paged: for a backend that reads
+        # pages, the TensorRT engines) the pages themselves, the pool compacted to the pages the tables name
+        self.reads_pages = paged
         self.cfg, self.steps = cfg, steps
         self.cases = {block_key(k, n): BlockCase(block_key(k, n), k, n) for k, n in wanted}
         self.step = -1
@@ -63,6 +67,9 @@ class Recorder(BackendWrapper):
         if case is None or self.step >= self.steps:
             return
         names_in, names_out = BLOCK_ACTIVATIONS[case.kind]
+        if isinstance(inputs[-1], PagedCache):  # (hidden, cos, sin, None, pages): the paged graphs' inputs
+            names_in = [n for n in names_in if n not in ("attention_mask", "latent_cache")] + list(PAGED_INPUTS)
+            inputs = (*inputs[:-2], *compact_pages(inputs[-1]))
         case.feeds.append(OrderedDict((n, _np(t)) for n, t in zip(names_in, inputs)))
         case.outputs.append(OrderedDict((n, _np(t)) for n, t in zip(names_out, outputs)))
 
@@ -84,9 +91,30 @@ class Recorder(BackendWrapper):
         return out
 
 
+PAGED_INPUTS = ("kv_pool", "page_table", "ctx_lens", "n_new")  # export/block_graphs.paged_io's, in order
+
+
+def compact_pages(cache: PagedCache) -> tuple[torch.Tensor, ...]:
+    """(pool, page_table, ctx_lens, n_new) of a PagedCache with the pool cut to the pages the tables name (in
+    order of first use; a table's unused tail points at page 0), so a golden feed is the size of the context."""
+    pt = cache.page_tokens
+    table = cache.page_table.long().cpu()
+    used = [int(p) for b in range(table.shape[0]) for p in table[b, :-(-int(cache.ctx_lens[b]) // pt)]]
+    order = list(dict.fromkeys(used)) or [0]
+    new_id = {p: i for i, p in enumerate(order)}
+    rows = torch.cat([torch.arange(p * pt, (p + 1) * pt) for p in order])
+    remapped = torch.zeros_like(table)
+    for b in range(table.shape[0]):
+        n = -(-int(cache.ctx_lens[b]) // pt)
+        remapped[b, :n] = torch.tensor([new_id[int(p)] for p in table[b, :n]], dtype=torch.long)
+    return (cache.pool.cpu()[rows], remapped.to(torch.int32), cache.ctx_lens.cpu().to(torch.int32),
+            cache.n_new.cpu().to(torch.int32))
+
+
 def capture(reference, cfg, prompts: list[list[int]], wanted: list[tuple[str, int | None]],
-            new_tokens: int) -> Golden:
-    """Greedy generation of `new_tokens` (at least GOLDEN_STEPS) through `reference`, recording `wanted` blocks."""
-    rec = Recorder(reference, cfg, wanted)
+            new_tokens: int, paged: bool = False) -> Golden:
+    """Greedy generation of `new_tokens` (at least GOLDEN_STEPS) through `reference`, recording `wanted` blocks
+    (their attention feeds as pages with `paged`)."""
+    rec = Recorder(reference, cfg, wanted, paged=paged)
     results, _ = Generator(rec, cfg).generate(prompts, max(new_tokens, GOLDEN_STEPS))
     return Golden(prompts, rec.cases, [r.token_ids[:new_tokens] for r in results], rec.logits)

@@ -23,6 +23,9 @@ from polygraphy.datatype import DataType
 from polygraphy.logger import G_LOGGER
 
 from k2trt.config import BLOCK_ACTIVATIONS
+from k2trt.graphs.blocks import PagedCache
+from k2trt.runtime.cache.pages import PAGE_TOKENS
+from k2trt.tools.compare.golden import PAGED_INPUTS
 
 # Plain log lines: polygraphy otherwise prints a hint about the optional `colored` package to stdout.
 G_LOGGER.colors = False
@@ -56,6 +59,11 @@ class BackendRunner(BaseRunner):
         super().__init__(name=name or backend.name, prefix="k2trt-backend-runner")
         self.backend, self.kind, self.layer = backend, kind, layer
         self.inputs, self.outputs = BLOCK_ACTIVATIONS[kind]
+        # a backend that reads pages (the TensorRT engines) takes the pool, page tables and lengths (golden.py
+        # records them for it) in place of the gathered cache and its mask
+        self.paged = bool(getattr(backend, "reads_pages", False)) and "latent_cache" in self.inputs
+        if self.paged:
+            self.inputs = [n for n in self.inputs if n not in ("attention_mask", "latent_cache")] + list(PAGED_INPUTS)
 
     def activate_impl(self):
         pass
@@ -66,8 +74,10 @@ class BackendRunner(BaseRunner):
     def get_input_metadata_impl(self):
         meta = TensorMetadata()
         for n in self.inputs:
-            rank = {"input_ids": 2, "latent_cache": 3}.get(n, 3)
-            meta.add(n, DataType.INT64 if n == "input_ids" else DataType.FLOAT32, [-1] * rank)
+            rank = {"input_ids": 2, "kv_pool": 2, "page_table": 2, "ctx_lens": 1, "n_new": 1}.get(n, 3)
+            dtype = DataType.INT64 if n == "input_ids" else DataType.INT32 if n in PAGED_INPUTS[1:] \
+                else DataType.FLOAT32
+            meta.add(n, dtype, [-1] * rank)
         return meta
 
     def infer_impl(self, feed_dict):
@@ -76,7 +86,10 @@ class BackendRunner(BaseRunner):
         args = []
         for n in self.inputs:
             t = torch.from_numpy(np.ascontiguousarray(feed_dict[n])).to(b.device)
-            args.append(t if t.dtype == torch.int64 or n == "attention_mask" else t.to(b.act_dtype))
+            keep = t.dtype in (torch.int64, torch.int32) or n == "attention_mask"
+            args.append(t if keep else t.to(b.act_dtype))
+        if self.paged:  # (hidden, cos, sin, pool, table, lens, n_new) -> (hidden, cos, sin, None, pages)
+            args = [*args[:3], None, PagedCache(*args[3:], PAGE_TOKENS)]
         if self.kind == "embedding":
             outs = (b.embed(*args),)
         elif self.kind == "head":
@@ -85,3 +98,4 @@ class BackendRunner(BaseRunner):
             outs = b.block(self.layer, *args)
         self.inference_time = time.perf_counter() - start
         return OrderedDict((n, o.detach().float().cpu().numpy()) for n, o in zip(self.outputs, outs))
+
