@@ -20,7 +20,8 @@ LAYERS = [
               "k2trt.dirlock"]),
     ("config", ["k2trt.config", "k2trt.quantization"]),
     ("graphs", ["k2trt.graphs"]),
-    ("checkpoint", ["k2trt.safetensors_io", "k2trt.checkpoint", "k2trt.checkpoint_writer", "k2trt.hub"]),
+    ("checkpoint", ["k2trt.safetensors_io", "k2trt.checkpoint", "k2trt.checkpoint_writer", "k2trt.hub",
+                    "k2trt.draft"]),
     ("artifacts", ["k2trt.export_manifest"]),
     ("export", ["k2trt.export"]),
     # the runtime's rooms, one way too: kernels, their ahead-of-time compilation, the backend contract, what

@@ -8,6 +8,7 @@ from pathlib import Path
 from k2trt.args import at_least, seed
 from k2trt.tiny import checkpoint
 from k2trt.tiny.checkpoint import FORMATS
+from k2trt.tiny.draft import DRAFT_FORMATS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,6 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-lora-rank", type=at_least(1), default=None, metavar="N",
                         help="the attention's latent width (default: the tiny's, 128); 512 is K2's, which vLLM's "
                              "CPU MLA kernels require (a multiple of 128 in FP8)")
+    parser.add_argument("--draft", choices=list(DRAFT_FORMATS), default=None,
+                        help="write instead an EAGLE-3 draft for that tiny target, as published: llama "
+                             "(LlamaForCausalLMEagle3, AQ-MedAI's layout), mla (Eagle3DeepseekV2ForCausalLM), "
+                             "speculators (vLLM's speculators format)")
 
 
 def run(args) -> int:

@@ -140,6 +140,17 @@ def _replace_dir(new: Path, target: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "draft", None):
+        from k2trt.tiny.draft import make_tiny_draft
+
+        target = K2Config.preset(FORMATS[args.format][0])
+        if args.kv_lora_rank is not None:
+            target = with_kv_lora_rank(target, args.kv_lora_rank)
+        out = make_tiny_draft(args.dir, args.draft, target, seed=args.seed, force=args.force)
+        size = sum(p.stat().st_size for p in out.iterdir())
+        print(f"wrote {out}: tiny EAGLE-3 draft ({args.draft}) for the tiny {args.format} target, seed {args.seed}, "
+              f"{size / 1e6:.1f} MB")
+        return 0
     out = make_tiny(args.dir, seed=args.seed, force=args.force, format=args.format, kv_lora_rank=args.kv_lora_rank)
     files = sorted(p for p in out.iterdir() if p.is_file())
     size = sum(p.stat().st_size for p in files)

@@ -37,7 +37,7 @@ class SpeculativeConfig:
     def __post_init__(self):
         if self.method not in METHODS:
             raise K2Error(f"--speculative-config: method {self.method!r} is not supported (supported: "
-                          f"{', '.join(METHODS)}; EAGLE-3 drafts are not built yet)")
+                          f"{', '.join(METHODS)}; EAGLE-3 drafts load (k2trt/draft.py) but do not run yet)")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise K2Error(f"--speculative-config: num_speculative_tokens must be 1..{MAX_SPECULATIVE_TOKENS}, got "
                           f"{self.num_speculative_tokens}")
