@@ -12,7 +12,8 @@ import torch
 
 from k2trt.cli import main
 from k2trt.config import K2Config
-from k2trt.draft import LAYER, DraftError, load_draft, parse_draft_config
+from k2trt.draft import load_draft
+from k2trt.draft_config import LAYER, DraftError, parse_draft_config
 from k2trt.safetensors_io import load_file, save_file
 from k2trt.tiny.draft import DRAFT_FORMATS, make_tiny_draft, tiny_draft_config
 

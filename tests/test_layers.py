@@ -18,7 +18,7 @@ FOLDERS = {"k2trt": "k2trt", "k2trt.graphs": "graphs", "k2trt.export": "export",
 LAYERS = [
     ("base", ["k2trt", "k2trt.errors", "k2trt.files", "k2trt.atomic", "k2trt.dtypes", "k2trt.schema", "k2trt.args",
               "k2trt.dirlock"]),
-    ("config", ["k2trt.config", "k2trt.quantization"]),
+    ("config", ["k2trt.config", "k2trt.quantization", "k2trt.draft_config"]),
     ("graphs", ["k2trt.graphs"]),
     ("checkpoint", ["k2trt.safetensors_io", "k2trt.checkpoint", "k2trt.checkpoint_writer", "k2trt.hub",
                     "k2trt.draft"]),

@@ -64,8 +64,9 @@ def test_speculation_pauses_where_it_is_slower_and_tries_again():
 @pytest.mark.parametrize("text, says", [
     ("{", "is not JSON"),
     ("[1]", "must be a JSON object"),
-    ('{"method": "eagle3", "model": "x"}', "unknown key 'model'"),
-    ('{"method": "eagle3"}', "method 'eagle3' is not supported"),
+    ('{"method": "ngram", "model": "x"}', '"model" (the draft) goes with method eagle3'),
+    ('{"method": "eagle3"}', '"model" (the draft) goes with method eagle3'),
+    ('{"method": "medusa"}', "method 'medusa' is not supported"),
     ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be 1..16"),
     ('{"num_speculative_tokens": "3"}', "num_speculative_tokens must be an integer"),
     ('{"prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min <= prompt_lookup_max"),

@@ -17,7 +17,7 @@ import torch
 from k2trt.atomic import atomic_write_text, remove_temporaries, temporary_name
 from k2trt.config import K2Config
 from k2trt.dirlock import writer_lock
-from k2trt.draft import LAYER, LAYOUTS, DraftConfig
+from k2trt.draft_config import LAYER, LAYOUTS, DraftConfig
 from k2trt.errors import K2Error
 from k2trt.safetensors_io import save_file
 

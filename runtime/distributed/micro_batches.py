@@ -46,6 +46,8 @@ class _LaneExecutor(Executor):
 
     samples_here = False  # the pipeline's last ranks sample
     verifies_drafts = False  # no speculation across micro-batches yet
+    aux_layers = ()
+    captures_aux = False
 
     def __init__(self, lanes: "MicroBatchScheduler", lane: int):
         self.lanes, self.lane = lanes, lane
@@ -55,6 +57,9 @@ class _LaneExecutor(Executor):
 
     def take_logprobs(self) -> StepLogprobs:
         return StepLogprobs({}, {})
+
+    def take_aux(self):
+        return None  # EAGLE-3 drafts run in one process only
 
     @property
     def clock(self):

@@ -352,6 +352,8 @@ class PipelineExecutor(Executor):
 
     samples_here = False  # the last stage's ranks sample: no grammar or log-probabilities through a pipeline
     verifies_drafts = True  # a verify row's kept tokens come back with the ids
+    aux_layers = ()  # EAGLE-3 drafts run in one process only: rank 0 holds no layer's residual stream
+    captures_aux = False
 
     def __init__(self, world: World, runner: StageRunner, max_batch: int):
         if not world.first:
@@ -411,6 +413,9 @@ class PipelineExecutor(Executor):
 
     def take_logprobs(self) -> StepLogprobs:
         return StepLogprobs({}, {})
+
+    def take_aux(self):
+        return None
 
     def session_seconds(self) -> float | None:
         return self.runner.session_seconds()

@@ -35,6 +35,11 @@ class StageClock:
 class StageExecutor(Executor):
     samples_here = True  # the stage with the head samples (a pipeline's last stage; every stage of one process)
     verifies_drafts = True
+    aux_layers: tuple[int, ...] = ()  # set by an EAGLE-3 scheduler (runtime/generation/eagle.py)
+
+    @property
+    def captures_aux(self) -> bool:
+        return self.first and self.last and len(self.layers) == self.cfg.num_hidden_layers
 
     def __init__(self, backend: Backend, cfg: K2Config, layers: list[int] | None = None,
                  first: bool = True, last: bool = True):
@@ -51,6 +56,7 @@ class StageExecutor(Executor):
         self.rope = RopeTable(cfg)
         self.clock = StageClock()
         self.logprobs = StepLogprobs({}, {})
+        self.aux: torch.Tensor | None = None
 
     # ---- slot bookkeeping ------------------------------------------------------------------------------
     def apply(self, plan: StepPlan) -> None:
@@ -79,9 +85,18 @@ class StageExecutor(Executor):
         return h
 
     def run_layers(self, plan: StepPlan, st: StepTensors, hidden: torch.Tensor) -> torch.Tensor:
+        captured = {}
         for layer in self.layers:
+            if layer in self.aux_layers:  # a copy: a backend may reuse the buffer it returned
+                captured[layer] = hidden.float().clone()
             hidden = self.run_block(layer, plan, st, hidden)
+        if self.aux_layers and all(i in captured for i in self.aux_layers):
+            self.aux = torch.cat([captured[i] for i in self.aux_layers], dim=-1)
         return hidden
+
+    def take_aux(self) -> torch.Tensor | None:
+        out, self.aux = self.aux, None
+        return out
 
     def run_block(self, layer: int, plan: StepPlan, st: StepTensors, hidden: torch.Tensor) -> torch.Tensor:
         """One layer over the step's slot range; an expert-parallel stage runs its MoE layers split instead

@@ -13,6 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    import torch
+
     from k2trt.runtime.generation.executor import StageClock
     from k2trt.runtime.generation.limits import Limits
     from k2trt.runtime.generation.scheduler import CacheCounters, Request
@@ -25,6 +27,8 @@ class Executor(Protocol):
     samples_here: bool  # whether this process samples: grammars and log-probabilities apply only where it does
     clock: "StageClock"  # time inside the backend's calls (a pipeline's: rank 0's)
     verifies_drafts: bool  # whether a step may carry drafts to verify and give back each verify row's kept tokens
+    aux_layers: tuple[int, ...]  # target layers whose incoming residual stream take_aux gives (an EAGLE-3 draft's)
+    captures_aux: bool  # whether take_aux can give them: one process holding every layer
 
     def run(self, plan: "StepPlan") -> list[int | None]:
         """Apply the plan's slot operations and run its step: -> the sampled id of each sequence (None where it
@@ -33,6 +37,11 @@ class Executor(Protocol):
 
     def take_logprobs(self) -> "StepLogprobs":
         """The log-probabilities of the last step (empty where this process does not sample)."""
+        ...
+
+    def take_aux(self) -> "torch.Tensor | None":
+        """The last step's residual stream entering each of aux_layers, concatenated [B, T, len · hidden]
+        float32 (None: no aux_layers, or a process that does not hold every layer)."""
         ...
 
     def session_seconds(self) -> float | None:

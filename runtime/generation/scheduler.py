@@ -190,11 +190,19 @@ def kept_tokens(sampled) -> list:
 
 class Scheduler(BatchScheduler):
     def __init__(self, executor: Executor, cfg: K2Config, limits: Limits, prefix_cache: bool = True,
-                 speculation: SpeculativeConfig | None = None):
+                 speculation: SpeculativeConfig | None = None, drafter=None):
         self.executor, self.cfg, self.limits = executor, cfg, limits
         if speculation is not None and not executor.verifies_drafts:
             raise K2Error("--speculative-config is not supported with --micro-batches yet")
         self.speculation = speculation
+        self.drafter = drafter  # an EAGLE-3 draft (runtime/generation/eagle.py), following every sequence
+        if speculation is not None and speculation.method == "eagle3":
+            if drafter is None:
+                raise K2Error("--speculative-config eagle3: no draft was loaded")
+            if not executor.captures_aux:
+                raise K2Error("--speculative-config eagle3 runs in one process for now (not over pipeline stages, "
+                              "expert-parallel ranks or micro-batches); prompt lookup (ngram) runs over them")
+            executor.aux_layers = drafter.aux_layers
         self.spec_counters = SpecCounters()
         self.spec_policy = SpeedPolicy()
         self.waiting: deque[Request] = deque()
@@ -372,6 +380,7 @@ class Scheduler(BatchScheduler):
         tokens = [r.feed[r.fed:r.fed + chunk] for r in reqs]
         sample = [r.fed + len(t) == len(r.feed) and not r.resuming for r, t in zip(reqs, tokens)]
         ids = self._run(PREFILL, reqs, tokens, [r.cached for r in reqs], sample)
+        aux = self.executor.take_aux() if self.drafter is not None else None
         for r, t in zip(reqs, tokens):
             r.fed += len(t)
             r.cached += len(t)
@@ -386,6 +395,9 @@ class Scheduler(BatchScheduler):
             elif r.resuming and r.fed == len(r.feed):  # all it held is back: it decodes on from its last token
                 self._ops += self.layout.promote(r)
                 r.feed, r.fed, r.resuming = r.prompt, len(r.prompt), False
+        if aux is not None:
+            for b, (r, t) in enumerate(zip(reqs, tokens)):
+                self._advance_draft(r, r.cached - len(t), len(t), aux[b])
 
     def _decode_step(self, reqs: list[Request]) -> None:
         speculate = self.speculation is not None and self.spec_policy.allow()
@@ -395,6 +407,8 @@ class Scheduler(BatchScheduler):
                         [True] * len(reqs), [len(d) for d in drafts] if any(drafts) else [])
         pt = self.pool.page_tokens
         kept = [kept_tokens(x) for x in ids]
+        aux = self.executor.take_aux() if self.drafter is not None else None
+        starts = [r.cached for r in reqs]
         if self.speculation is not None:
             self.spec_policy.observe(time.perf_counter() - t0, sum(map(len, kept)), any(drafts))
         for r, d, toks in zip(reqs, drafts, kept):
@@ -415,6 +429,17 @@ class Scheduler(BatchScheduler):
                 del r.logprobs[len(r.token_ids):]  # of tokens a stop cut off
                 if self._running(r):
                     self._publish(r)  # the pages its kept drafts filled
+        if aux is not None:  # the committed positions: its last token and the drafts kept
+            for b, (r, start, toks) in enumerate(zip(reqs, starts, kept)):
+                self._advance_draft(r, start, len(toks), aux[b])
+
+    def _advance_draft(self, req: Request, start: int, n: int, aux) -> None:
+        """The draft over positions start .. start + n − 1 of a request, each paired with the token after it."""
+        if req.done:
+            self.drafter.forget(req.id)
+            return
+        following = (req.prompt + req.token_ids)[start + 1:start + n + 1]
+        self.drafter.advance(req.id, start, following, aux[:len(following)])
 
     def _drafts(self, req: Request) -> list[int]:
         """The draft tokens a decoding request proposes this step (none without speculation), as many as its
@@ -423,7 +448,12 @@ class Scheduler(BatchScheduler):
         if spec is None or not req.backoff.ready():
             return []
         room = min(req.max_new_tokens - len(req.token_ids) - 1, self.limits.max_context - req.cached - 1)
-        drafts = spec.propose(req.prompt + req.token_ids, room) if room > 0 else []
+        if room <= 0:
+            drafts = []
+        elif self.drafter is not None:
+            drafts = self.drafter.propose(req.id, min(room, spec.num_speculative_tokens))
+        else:
+            drafts = spec.propose(req.prompt + req.token_ids, room)
         pt = self.pool.page_tokens
         while drafts and req.cached + 1 + len(drafts) > len(req.table) * pt:
             page = self.pool.allocate(1, req.part)  # a draft never preempts anyone: it shortens instead

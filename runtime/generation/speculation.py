@@ -2,7 +2,8 @@
 up to the first the target would not have chosen is kept — several tokens for one step's reading of the weights.
 
 `--speculative-config` takes vLLM's JSON (`{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N,
-"prompt_lookup_min": M}`). Prompt lookup (`ngram`) needs no weights: the longest run of the sequence's last n tokens
+"prompt_lookup_min": M}`, or `{"method": "eagle3", "model": DRAFT, "num_speculative_tokens": K}`: an EAGLE-3 draft,
+runtime/generation/eagle.py). Prompt lookup (`ngram`) needs no weights: the longest run of the sequence's last n tokens
 (n from prompt_lookup_max down to prompt_lookup_min) found earlier in its prompt and output proposes the tokens that
 followed it there — it pays where the output copies the input (an agent re-sending a file it edits) or repeats
 itself.
@@ -23,7 +24,7 @@ import numpy as np
 
 from k2trt.errors import K2Error
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "eagle3")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -33,11 +34,14 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3  # k: draft tokens proposed per step
     prompt_lookup_max: int = 4  # the longest suffix looked up
     prompt_lookup_min: int = 1  # the shortest
+    model: str | None = None  # eagle3: the draft checkpoint, a directory or owner/name (k2trt/draft.py)
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise K2Error(f"--speculative-config: method {self.method!r} is not supported (supported: "
-                          f"{', '.join(METHODS)}; EAGLE-3 drafts load (k2trt/draft.py) but do not run yet)")
+                          f"{', '.join(METHODS)})")
+        if (self.method == "eagle3") != (self.model is not None):
+            raise K2Error("--speculative-config: \"model\" (the draft) goes with method eagle3, and only with it")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise K2Error(f"--speculative-config: num_speculative_tokens must be 1..{MAX_SPECULATIVE_TOKENS}, got "
                           f"{self.num_speculative_tokens}")
@@ -55,7 +59,8 @@ class SpeculativeConfig:
         if not isinstance(d, dict):
             raise K2Error("--speculative-config must be a JSON object, e.g. "
                           '{"method": "ngram", "num_speculative_tokens": 3}')
-        known = {"method": str, "num_speculative_tokens": int, "prompt_lookup_max": int, "prompt_lookup_min": int}
+        known = {"method": str, "num_speculative_tokens": int, "prompt_lookup_max": int, "prompt_lookup_min": int,
+                 "model": str}
         for key, value in d.items():
             if key not in known:
                 raise K2Error(f"--speculative-config: unknown key {key!r} (known: {', '.join(known)})")

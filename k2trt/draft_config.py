@@ -1,0 +1,171 @@
+"""An EAGLE-3 draft's config.json, in any of its published forms, read into one DraftConfig for a target (the
+checkpoint's tensors are k2trt/draft.py's): the module docstring there says what the forms are and how the aux-layer
+ids are normalized."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from k2trt.config import K2Config
+from k2trt.errors import K2Error
+
+LAYOUTS = ("llama", "mla")
+SOURCE_FORMATS = ("eagle3", "speculators")
+ARCHITECTURES = {"LlamaForCausalLMEagle3": "llama", "Eagle3DeepseekV2ForCausalLM": "mla",
+                 "Eagle3Speculator": "llama"}
+LAYER = "layers.0."
+
+
+class DraftError(K2Error):
+    """A draft checkpoint k2trt cannot use: one line naming what is wrong."""
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    layout: str  # "llama" | "mla"
+    source_format: str  # "eagle3" | "speculators"
+    hidden_size: int
+    target_hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int  # the target's vocabulary: embed_tokens' rows, and what d2t maps into
+    draft_vocab_size: int  # lm_head's rows
+    aux_layer_ids: tuple[int, ...]  # normalized: the residual stream entering these target layers
+    aux_ids_as_written: tuple[int, ...] | None  # None: absent from config.json (the default applied)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    norm_before_residual: bool = False
+    # llama layout
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    # mla layout
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor a draft of this config must hold (names as normalized), and its shape."""
+        h, i, n = self.hidden_size, self.intermediate_size, self.num_attention_heads
+        shapes = {"fc.weight": (h, 3 * self.target_hidden_size), "norm.weight": (h,),
+                  "lm_head.weight": (self.draft_vocab_size, h),
+                  LAYER + "hidden_norm.weight": (h,), LAYER + "input_layernorm.weight": (h,),
+                  LAYER + "post_attention_layernorm.weight": (h,),
+                  LAYER + "mlp.gate_proj.weight": (i, h), LAYER + "mlp.up_proj.weight": (i, h),
+                  LAYER + "mlp.down_proj.weight": (h, i)}
+        attn = LAYER + "self_attn."
+        if self.layout == "llama":
+            q, kv = n * self.head_dim, self.num_key_value_heads * self.head_dim
+            shapes.update({attn + "q_proj.weight": (q, 2 * h), attn + "k_proj.weight": (kv, 2 * h),
+                           attn + "v_proj.weight": (kv, 2 * h), attn + "o_proj.weight": (h, q)})
+        else:
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            if self.q_lora_rank:
+                shapes.update({attn + "q_a_proj.weight": (self.q_lora_rank, 2 * h),
+                               attn + "q_a_layernorm.weight": (self.q_lora_rank,),
+                               attn + "q_b_proj.weight": (n * qk, self.q_lora_rank)})
+            else:
+                shapes[attn + "q_proj.weight"] = (n * qk, 2 * h)
+            shapes.update({
+                attn + "kv_a_proj_with_mqa.weight": (self.kv_lora_rank + self.qk_rope_head_dim, 2 * h),
+                attn + "kv_a_layernorm.weight": (self.kv_lora_rank,),
+                attn + "kv_b_proj.weight": (n * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank),
+                attn + "o_proj.weight": (h, n * self.v_head_dim)})
+        return shapes
+
+
+def _int(raw: dict, key: str, where: str, default: Any = None, low: int = 1) -> int:
+    value = raw.get(key, default)
+    if value is None:
+        raise DraftError(f"{where}: {key} is missing")
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise DraftError(f"{where}: {key} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def _float(raw: dict, key: str, where: str, default: float) -> float:
+    value = raw.get(key, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise DraftError(f"{where}: {key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _aux_ids(raw_ids, where: str, target: K2Config) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """(normalized, as written). The convention rule is the module docstring's."""
+    n = target.num_hidden_layers
+    if raw_ids is None:
+        return (2, n // 2, n - 3), None
+    if not isinstance(raw_ids, list) or not raw_ids or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in raw_ids):
+        raise DraftError(f"{where}: eagle_aux_hidden_state_layer_ids must be a non-empty list of integers, "
+                         f"got {raw_ids!r}")
+    written = tuple(raw_ids)
+    ids = tuple(i + 1 for i in written) if written[0] == 1 else written  # layer outputs -> the next layer's input
+    bad = [i for i in ids if not 1 <= i <= n - 1]
+    if bad:
+        raise DraftError(f"{where}: aux layer ids {list(written)} name layers outside the target's 1..{n - 1} "
+                         f"(as inputs to layers: {list(ids)})")
+    return ids, written
+
+
+def parse_draft_config(raw: dict, where: str, target: K2Config) -> DraftConfig:
+    """A draft's config.json (any of the three forms) for `target`; DraftError names the field at fault."""
+    if raw.get("speculators_model_type") is not None:
+        if raw["speculators_model_type"] != "eagle3":
+            raise DraftError(f"{where}: speculators_model_type {raw['speculators_model_type']!r} is not eagle3 "
+                             "(the only speculators draft k2trt runs)")
+        layer = raw.get("transformer_layer_config")
+        if not isinstance(layer, dict):
+            raise DraftError(f"{where}: transformer_layer_config (the draft layer's Llama config) is missing")
+        source, layout, body = "speculators", "llama", {**layer, **{k: v for k, v in raw.items()
+                                                                 if k != "transformer_layer_config"}}
+        aux = raw.get("eagle_aux_hidden_state_layer_ids")
+    else:
+        archs = raw.get("architectures")
+        arch = archs[0] if isinstance(archs, list) and archs else None
+        if arch not in ARCHITECTURES:
+            raise DraftError(f"{where}: architectures {archs!r} is not an EAGLE-3 draft (expected one of "
+                             f"{', '.join(ARCHITECTURES)}, or the speculators format)")
+        source, layout, body = "eagle3", ARCHITECTURES[arch], raw
+        eagle = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
+        aux = raw.get("eagle_aux_hidden_state_layer_ids", eagle.get("eagle_aux_hidden_state_layer_ids"))
+    if body.get("quantization_config") is not None:
+        raise DraftError(f"{where}: quantized drafts are not supported (quantization_config is set); use a bf16 "
+                         "draft")
+    hidden = _int(body, "hidden_size", where)
+    heads = _int(body, "num_attention_heads", where)
+    vocab = _int(body, "vocab_size", where, target.vocab_size)
+    ids, written = _aux_ids(aux, where, target)
+    common = dict(
+        layout=layout, source_format=source, hidden_size=hidden,
+        target_hidden_size=_int(body, "target_hidden_size", where, hidden),
+        intermediate_size=_int(body, "intermediate_size", where), num_attention_heads=heads,
+        vocab_size=vocab, draft_vocab_size=_int(body, "draft_vocab_size", where, vocab),
+        aux_layer_ids=ids, aux_ids_as_written=written,
+        rms_norm_eps=_float(body, "rms_norm_eps", where, 1e-6), rope_theta=_float(body, "rope_theta", where, 1e4),
+        norm_before_residual=bool(body.get("norm_before_residual", False)))
+    if layout == "llama":
+        cfg = DraftConfig(**common, num_key_value_heads=_int(body, "num_key_value_heads", where, heads),
+                          head_dim=_int(body, "head_dim", where, hidden // heads))
+    else:
+        q_lora = body.get("q_lora_rank")
+        cfg = DraftConfig(**common, q_lora_rank=None if q_lora is None else _int(body, "q_lora_rank", where),
+                          kv_lora_rank=_int(body, "kv_lora_rank", where),
+                          qk_rope_head_dim=_int(body, "qk_rope_head_dim", where),
+                          qk_nope_head_dim=_int(body, "qk_nope_head_dim", where),
+                          v_head_dim=_int(body, "v_head_dim", where))
+    check_against_target(cfg, target, where)
+    return cfg
+
+
+def check_against_target(cfg: DraftConfig, target: K2Config, where: str) -> None:
+    if cfg.target_hidden_size != target.hidden_size:
+        raise DraftError(f"{where}: the draft reads a target of hidden size {cfg.target_hidden_size}, the model's is "
+                         f"{target.hidden_size} (a draft for another model?)")
+    if cfg.vocab_size != target.vocab_size:
+        raise DraftError(f"{where}: vocab_size {cfg.vocab_size} differs from the model's {target.vocab_size}")
+    if cfg.draft_vocab_size > cfg.vocab_size:
+        raise DraftError(f"{where}: draft_vocab_size {cfg.draft_vocab_size} exceeds vocab_size {cfg.vocab_size}")

@@ -1,0 +1,175 @@
+"""EAGLE-3 drafts proposing for the verify step, in one process (graphs/eagle.py, runtime/generation/eagle.py): the
+draft layer against transformers' own Llama pieces, the draft following its sequence by length (chunks, rollback,
+a gap), and generation with a draft giving the tokens of generation without one — greedy and seeded, on the torch
+reference and on ONNX Runtime — while its drafts are verified; what does not run yet is one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k2trt.config import K2Config
+from k2trt.draft import load_draft
+from k2trt.errors import K2Error
+from k2trt.graphs import eagle
+from k2trt.graphs.mask import simple_mask
+from k2trt.graphs.ops import TorchOps
+from k2trt.runtime.generation.eagle import EagleDrafter, make_drafter
+from k2trt.runtime.generation.executor import StageExecutor
+from k2trt.runtime.generation.limits import Limits
+from k2trt.runtime.generation.sampling import SamplingParams
+from k2trt.runtime.generation.scheduler import Request, Scheduler
+from k2trt.runtime.generation.speculation import SpecCounters, SpeculativeConfig
+from k2trt.tiny.draft import make_tiny_draft
+from k2trt.tiny.synthetic import RandomWeights
+
+TINY = K2Config.preset("tiny")
+
+
+@pytest.fixture(scope="module")
+def draft_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle")
+    return {form: make_tiny_draft(root / form, form) for form in ("llama", "speculators", "mla")}
+
+
+def _reference_layer(cfg, w, embeds, hidden, positions, past_k, past_v):
+    """The layer from transformers' Llama pieces (RMSNorm, rotary embedding, repeat_kv), causal over past + new."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb, repeat_kv
+
+    def norm(x, name):
+        n = LlamaRMSNorm(x.shape[-1], eps=cfg.rms_norm_eps)
+        n.weight.data = w["layers.0." + name]
+        return n(x)
+
+    b, t, _ = embeds.shape
+    x = torch.cat([norm(embeds, "input_layernorm.weight"), norm(hidden, "hidden_norm.weight")], dim=-1)
+    lin = lambda y, name: y @ w["layers.0." + name].T  # noqa: E731
+    q = lin(x, "self_attn.q_proj.weight").view(b, t, -1, cfg.head_dim).transpose(1, 2)
+    k = lin(x, "self_attn.k_proj.weight").view(b, t, -1, cfg.head_dim).transpose(1, 2)
+    v = lin(x, "self_attn.v_proj.weight").view(b, t, -1, cfg.head_dim).transpose(1, 2)
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    ang = positions.double()[..., None] * inv
+    emb = torch.cat([ang, ang], dim=-1)
+    q, k = apply_rotary_pos_emb(q, k, emb.cos().float(), emb.sin().float())
+    keys, values = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    scores = q @ repeat_kv(keys, group).transpose(2, 3) * cfg.head_dim ** -0.5
+    p = past_k.shape[2]
+    causal = torch.arange(p + t)[None, :] <= (p + torch.arange(t))[:, None]
+    o = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1) @ repeat_kv(values, group)
+    h = lin(o.transpose(1, 2).reshape(b, t, -1), "self_attn.o_proj.weight") + hidden
+    m = norm(h, "post_attention_layernorm.weight")
+    mlp = lin(torch.nn.functional.silu(lin(m, "mlp.gate_proj.weight")) * lin(m, "mlp.up_proj.weight"),
+              "mlp.down_proj.weight")
+    return mlp + h, k, v
+
+
+def test_the_draft_layer_is_transformers_llama_over_embedding_and_hidden(draft_dirs):
+    draft = load_draft(draft_dirs["llama"], TINY)
+    cfg, w = draft.config, {k: v.float() for k, v in draft.tensors.items() if v.dtype.is_floating_point}
+    g = torch.Generator().manual_seed(0)
+    ops = TorchOps("float32")
+    past_k = past_v = torch.zeros(1, cfg.num_key_value_heads, 0, cfg.head_dim)
+    for start, n in ((0, 5), (5, 3)):  # a prefill, then positions over a cache
+        embeds, hidden = torch.randn(1, n, cfg.hidden_size, generator=g), torch.randn(1, n, cfg.hidden_size, generator=g)
+        positions = torch.arange(start, start + n)[None]
+        cos, sin = eagle.rope_tables(cfg, positions)
+        got = eagle.draft_layer(ops, cfg, embeds, hidden, cos, sin, simple_mask(1, start, n), past_k, past_v, w)
+        want = _reference_layer(cfg, w, embeds, hidden, positions, past_k, past_v)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        past_k, past_v = torch.cat([past_k, got[1]], dim=2), torch.cat([past_v, got[2]], dim=2)
+
+
+def _drafter(draft_dirs, form="llama"):
+    name = "model.embed_tokens.weight"
+    return EagleDrafter(load_draft(draft_dirs[form], TINY), RandomWeights(TINY).globals([name])[name])
+
+
+def test_the_draft_follows_its_sequence_by_length(draft_dirs):
+    """One advance over positions 0..7 equals two chunks; proposing leaves the cache at the committed positions;
+    a step that starts earlier rolls the cache back; a sequence with positions it never saw proposes nothing."""
+    g = torch.Generator().manual_seed(1)
+    aux = torch.randn(8, 3 * TINY.hidden_size, generator=g)
+    tokens = torch.randint(0, TINY.vocab_size, (8,), generator=g).tolist()
+    whole, chunks = _drafter(draft_dirs), _drafter(draft_dirs)
+    whole.advance("a", 0, tokens, aux)
+    chunks.advance("a", 0, tokens[:5], aux[:5])
+    chunks.advance("a", 5, tokens[5:], aux[5:])
+    torch.testing.assert_close(whole.sequences["a"].last_logits, chunks.sequences["a"].last_logits)
+    first = whole.propose("a", 4)
+    assert len(first) == 4 and whole.sequences["a"].length == 8 and whole.propose("a", 4) == first
+    assert all(int(t) in set(load_draft(draft_dirs["llama"], TINY).target_ids.tolist()) for t in first)
+    whole.advance("a", 3, tokens[3:6], aux[3:6])  # rejected drafts: back to 3, then 3 more
+    fresh = _drafter(draft_dirs)
+    fresh.advance("a", 0, tokens[:6], aux[:6])
+    assert whole.sequences["a"].length == 6
+    torch.testing.assert_close(whole.sequences["a"].last_logits, fresh.sequences["a"].last_logits)
+    whole.advance("b", 4, tokens[:2], aux[:2])  # a prefix-cache hit: positions 0..3 never seen here
+    assert whole.propose("b", 3) == []
+
+
+class Always:
+    def allow(self):
+        return True
+
+    def observe(self, seconds, tokens, speculated):
+        pass
+
+
+def _generate(backend, prompts, params, spec, weights, new_tokens=12):
+    limits = Limits(max_context=256, max_batch=4, prefill_chunk=64)
+    ex = StageExecutor(backend, TINY)
+    drafter = make_drafter(spec, TINY, weights)
+    sched = Scheduler(ex, TINY, limits, prefix_cache=False, speculation=spec, drafter=drafter)
+    sched.spec_policy, sched.spec_counters = Always(), SpecCounters()
+    reqs = [sched.submit(Request(list(p), new_tokens, params)) for p in prompts]
+    sched.run_until_idle()
+    return [r.token_ids for r in reqs], sched.spec_counters
+
+
+@pytest.mark.parametrize("form", ["llama", "speculators"])
+def test_generation_with_a_draft_gives_the_tokens_without_one(draft_dirs, form):
+    """The torch reference, a ragged batch of three, greedy and seeded: the same tokens with an EAGLE-3 draft
+    proposing (and its drafts verified at every decode step) as with none."""
+    from k2trt.runtime.backends.torch_reference import TorchBackend
+
+    weights = RandomWeights(TINY, seed=3)
+    backend = TorchBackend(weights, "float32", 0)
+    spec = SpeculativeConfig(method="eagle3", model=str(draft_dirs[form]), num_speculative_tokens=3)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (9, 30, 17)]
+    for params in (SamplingParams(), SamplingParams(temperature=0.8, seed=11)):
+        plain, _ = _generate(backend, prompts, params, None, weights)
+        fast, counters = _generate(backend, prompts, params, spec, weights)
+        assert fast == plain
+        assert counters.num_drafts > 0 and counters.num_draft_tokens >= counters.num_drafts
+
+
+def test_onnx_runtime_with_a_draft_gives_the_tokens_without_one(draft_dirs, tiny_ckpt, tiny_export):
+    from k2trt.checkpoint import Checkpoint
+    from k2trt.runtime.backends.factory import BackendChoice, open_backend
+
+    ckpt = Checkpoint.open(tiny_ckpt)
+    backend = open_backend(BackendChoice("ort", tiny_export), ckpt)
+    spec = SpeculativeConfig(method="eagle3", model=str(draft_dirs["llama"]), num_speculative_tokens=2)
+    prompts = [list(range(5, 40)), list(range(100, 112))]
+    plain, _ = _generate(backend, prompts, SamplingParams(), None, ckpt, new_tokens=10)
+    fast, counters = _generate(backend, prompts, SamplingParams(), spec, ckpt, new_tokens=10)
+    assert fast == plain and counters.num_drafts > 0
+
+
+def test_what_does_not_run_yet_is_one_line(draft_dirs):
+    mla = load_draft(draft_dirs["mla"], TINY)
+    with pytest.raises(K2Error, match="MLA-layout EAGLE-3 drafts load but do not run yet"):
+        EagleDrafter(mla, None)
+    spec = SpeculativeConfig(method="eagle3", model=str(draft_dirs["llama"]))
+    from k2trt.runtime.backends.torch_reference import TorchBackend
+
+    stage = StageExecutor(TorchBackend(RandomWeights(TINY), "float32", 0), TINY, layers=[0, 1], last=False)
+    with pytest.raises(K2Error, match="eagle3 runs in one process for now"):
+        Scheduler(stage, TINY, Limits(max_context=64, max_batch=1, prefill_chunk=8), speculation=spec,
+                  drafter=_drafter(draft_dirs))
+    with pytest.raises(K2Error, match="no draft was loaded"):
+        Scheduler(StageExecutor(TorchBackend(RandomWeights(TINY), "float32", 0), TINY),
+                  TINY, Limits(max_context=64, max_batch=1, prefill_chunk=8), speculation=spec)
