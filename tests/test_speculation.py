@@ -151,6 +151,48 @@ def test_a_draft_that_always_agrees_keeps_every_token_and_changes_none():
     assert sched.timings.decode_steps < 25 and sched.timings.decode_tokens == 59  # the first came from prefill
 
 
+def _chi_square_p(counts: torch.Tensor, expected: torch.Tensor) -> float:
+    """Pearson's test of counts against expected counts, cells with an expected count under 5 merged into one;
+    -> its p-value (the chi-square survival function: torch's regularized upper incomplete gamma)."""
+    small = expected < 5
+    o = torch.cat([counts[~small], counts[small].sum().reshape(1)])
+    e = torch.cat([expected[~small], expected[small].sum().reshape(1)])
+    o, e = o[e > 0], e[e > 0]
+    chi2 = float(((o - e) ** 2 / e).sum())
+    df = o.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(chi2 / 2, dtype=torch.float64)))
+
+
+@pytest.mark.slow
+def test_sampled_tokens_with_drafts_follow_the_targets_joint():
+    """Temperature 1, 20,000 seeded requests after one prompt: the first token comes from the prefill, the second
+    from a verify step whose draft (prompt lookup: the prompt holds every token, so one is always proposed) is kept
+    only where the request's own draw equals it. The joint frequency of the two tokens against the exact
+    p(t1)·p(t2 | t1) of the target's table: chi-square, p > 0.001 — and the same test fails for a wrong joint (the
+    second token drawn at temperature 0.5), so it can tell."""
+    table = narrow()
+    width = 12
+    prompt = list(range(width)) * 2
+    n = 20_000
+    # seeds of their own (another 20,000 give p = 0.8 and 0.7; the first 20,000 0.008, with and without drafts)
+    cases = [(prompt, SamplingParams(temperature=1.0, seed=100_000 + i), 3, ()) for i in range(n)]  # room: 1 draft
+    limits = Limits(max_context=64, max_batch=256, prefill_chunk=64)
+    reqs, sched = run(table, cases, NGRAM, limits)
+    assert sched.spec_counters.num_drafts == n  # every second token went through a verify step with a draft
+    assert 0 < sched.spec_counters.num_accepted_tokens < n
+    plain, _ = run(table, cases, None, limits)
+    assert [r.token_ids for r in reqs] == [r.token_ids for r in plain]  # and they are the draws of no speculation
+    counts = torch.zeros(width, width, dtype=torch.float64)
+    for r in reqs:
+        counts[r.token_ids[0], r.token_ids[1]] += 1
+    p1 = torch.softmax(table[prompt[-1], :width].double(), dim=-1)
+    joint = p1[:, None] * torch.softmax(table[:width, :width].double(), dim=-1)
+    assert _chi_square_p(counts.flatten(), n * joint.flatten()) > 1e-3
+    wrong = p1[:, None] * torch.softmax(table[:width, :width].double() / 0.5, dim=-1)
+    assert _chi_square_p(counts.flatten(), n * wrong.flatten()) < 1e-6
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_mixed_batches_greedy_and_seeded_with_stops_and_budgets_get_the_tokens_of_no_speculation(seed):
     rnd = random.Random(seed)
