@@ -53,7 +53,7 @@ class Draft:
         return "embed_tokens.weight" not in self.tensors
 
 
-def _normalized(name: str) -> str:
+def normalized_name(name: str) -> str:
     for spelling in LAYER_SPELLINGS:
         if name.startswith(spelling):
             return LAYER + name[len(spelling):]
@@ -84,7 +84,7 @@ def load_draft(path: str | Path, target: K2Config) -> Draft:
         except K2Error as e:  # a damaged file: the reader's one line, as the draft's
             raise DraftError(str(e)) from None
         for name in st.names():
-            key = _normalized(name)
+            key = normalized_name(name)
             if key.endswith(("weight_scale_inv", "weight_scale", "weight_packed")):
                 raise DraftError(f"{file}: {name} is a quantized tensor; k2trt runs bf16 drafts")
             if key in tensors:

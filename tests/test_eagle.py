@@ -173,3 +173,31 @@ def test_what_does_not_run_yet_is_one_line(draft_dirs):
     with pytest.raises(K2Error, match="no draft was loaded"):
         Scheduler(StageExecutor(TorchBackend(RandomWeights(TINY), "float32", 0), TINY),
                   TINY, Limits(max_context=64, max_batch=1, prefill_chunk=8), speculation=spec)
+
+
+@pytest.mark.slow
+def test_a_distilled_draft_agrees_and_changes_no_token(tiny_ckpt, draft_dirs, tmp_path):
+    """tools/distill_draft trains the random tiny draft on the tiny target's greedy continuations; on those prompts
+    its first drafts are kept often — at most about half the time, since its vocabulary is half the target's (d2t)
+    — where a random draft's are not, and the tokens stay the target's."""
+    import random
+
+    from k2trt.checkpoint import Checkpoint
+    from k2trt.runtime.backends.torch_reference import TorchBackend
+    from k2trt.tools import distill_draft
+
+    out = tmp_path / "distilled"
+    assert distill_draft.main(["--model", str(tiny_ckpt), "--draft", str(draft_dirs["llama"]), "--out", str(out),
+                               "--sequences", "8", "--prompt-len", "12", "--new-tokens", "24", "--steps", "80"]) == 0
+    ckpt = Checkpoint.open(tiny_ckpt)
+    backend = TorchBackend(ckpt, "float32", 0)
+    rnd = random.Random(1)  # the tool's prompts
+    prompts = [[rnd.randrange(3, TINY.vocab_size) for _ in range(12)] for _ in range(8)][:4]
+    plain, _ = _generate(backend, prompts, SamplingParams(), None, ckpt, new_tokens=16)
+    rates = {}
+    for name, path in (("random", draft_dirs["llama"]), ("distilled", out)):
+        spec = SpeculativeConfig(method="eagle3", model=str(path), num_speculative_tokens=3)
+        fast, c = _generate(backend, prompts, SamplingParams(), spec, ckpt, new_tokens=16)
+        assert fast == plain
+        rates[name] = c.accepted_per_pos[0] / c.num_drafts if c.accepted_per_pos else 0.0
+    assert rates["distilled"] > 0.25 > rates["random"], rates

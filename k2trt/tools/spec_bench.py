@@ -30,8 +30,11 @@ def _generator(backend, cfg, limits, spec):
     from k2trt.runtime.generation.generator import Generator
     from k2trt.runtime.generation.scheduler import Scheduler
 
+    from k2trt.runtime.generation.eagle import make_drafter
+
     ex = StageExecutor(backend, cfg)
-    return Generator(backend, cfg, limits, ex, Scheduler(ex, cfg, limits, speculation=spec))
+    drafter = make_drafter(spec, cfg, backend.weights)  # eagle3: the draft, following every sequence
+    return Generator(backend, cfg, limits, ex, Scheduler(ex, cfg, limits, speculation=spec, drafter=drafter))
 
 
 def workload(kind: str, cfg, batch: int, new_tokens: int, seed: int = 0):
