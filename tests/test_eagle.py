@@ -201,3 +201,44 @@ def test_a_distilled_draft_agrees_and_changes_no_token(tiny_ckpt, draft_dirs, tm
         assert fast == plain
         rates[name] = c.accepted_per_pos[0] / c.num_drafts if c.accepted_per_pos else 0.0
     assert rates["distilled"] > 0.25 > rates["random"], rates
+
+
+@pytest.mark.slow  # ~13 s: two runs of six requests on the torch reference
+def test_a_draft_under_grammars_preemption_and_continuous_batching(draft_dirs, tiny_ckpt):
+    """Six requests arriving two steps apart (prefill chunks and verify steps in the same iterations), half under a
+    json_schema grammar, seeded and greedy, in a pool too small for all (preemptions: the draft rolls back to 0 and
+    follows the recomputed positions): the tokens of the same run without a draft, whose drafts were verified."""
+    from k2trt.checkpoint import Checkpoint
+    from k2trt.runtime.backends.torch_reference import TorchBackend
+    from k2trt.runtime.text import grammar as G
+    from k2trt.runtime.text.text_stream import StopRules
+    from k2trt.runtime.text.tokenizer import KimiTokenizer
+
+    ckpt, tok = Checkpoint.open(tiny_ckpt), KimiTokenizer.from_dir(tiny_ckpt)
+    schema = {"type": "object", "properties": {"host": {"type": "string", "maxLength": 8}}, "required": ["host"],
+              "additionalProperties": False}
+    g = G.Grammars(tok).compile(G.json_grammar(G.schema_text(schema, True, "s")))
+    backend = TorchBackend(ckpt, "float32", 0)
+    stops = StopRules(ids=frozenset(tok.stop_ids))
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 1500, (50 + 5 * i,), generator=gen).tolist() for i in range(6)]
+
+    def run(spec):
+        limits = Limits(max_context=256, max_batch=4, prefill_chunk=32, cache_pages=4)
+        sched = Scheduler(StageExecutor(backend, TINY), TINY, limits, prefix_cache=False, speculation=spec,
+                          drafter=make_drafter(spec, TINY, ckpt))
+        sched.spec_policy, sched.spec_counters = Always(), SpecCounters()
+        reqs = []
+        for i, p in enumerate(prompts):
+            params = SamplingParams(temperature=0.9, seed=i) if i % 2 else SamplingParams()
+            reqs.append(sched.submit(Request(p, 30, params, stops, grammar=g if i < 3 else None)))
+            sched.iteration()
+            sched.iteration()
+        sched.run_until_idle()
+        return [r.token_ids for r in reqs], sched
+
+    plain, _ = run(None)
+    spec = SpeculativeConfig(method="eagle3", model=str(draft_dirs["llama"]), num_speculative_tokens=3)
+    fast, sched = run(spec)
+    assert fast == plain
+    assert sched.spec_counters.num_drafts > 0 and sched.counters.preemptions > 0
