@@ -242,3 +242,24 @@ def test_a_draft_under_grammars_preemption_and_continuous_batching(draft_dirs, t
     fast, sched = run(spec)
     assert fast == plain
     assert sched.spec_counters.num_drafts > 0 and sched.counters.preemptions > 0
+
+
+def test_a_batch_of_sequences_drafts_as_each_alone(draft_dirs):
+    """advance_many and propose_many over sequences of different lengths and chunks give each sequence what it
+    gets alone (the padded positions of the batch are masked, never attended)."""
+    g = torch.Generator().manual_seed(4)
+    lengths, asks = [3, 11, 7], [3, 1, 2]
+    data = [(torch.randint(0, TINY.vocab_size, (n,), generator=g).tolist(),
+             torch.randn(n, 3 * TINY.hidden_size, generator=g)) for n in lengths]
+    alone, batched = _drafter(draft_dirs), _drafter(draft_dirs)
+    for key, (tokens, aux) in enumerate(data):
+        alone.advance(key, 0, tokens[:2], aux[:2])
+        alone.advance(key, 2, tokens[2:], aux[2:])
+    batched.advance_many([(key, 0, tokens[:2], aux[:2]) for key, (tokens, aux) in enumerate(data)])
+    batched.advance_many([(key, 2, tokens[2:], aux[2:]) for key, (tokens, aux) in enumerate(data)])
+    for key in range(3):
+        torch.testing.assert_close(batched.sequences[key].k, alone.sequences[key].k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(batched.sequences[key].last_logits, alone.sequences[key].last_logits,
+                                   rtol=1e-4, atol=1e-4)
+    assert batched.propose_many([(key, k) for key, k in enumerate(asks)] + [("none", 2)]) == \
+        [alone.propose(key, k) for key, k in enumerate(asks)] + [[]]

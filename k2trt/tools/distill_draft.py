@@ -33,13 +33,14 @@ class _Recorder:
         self.aux_layers = aux_layers
         self.seen: dict[int, list] = {}
 
-    def advance(self, key, start, next_tokens, aux):
-        rows = self.seen.setdefault(key, [])
-        del rows[start:]  # as the draft rolls back by length
-        rows += [(aux[i].clone(), int(t)) for i, t in enumerate(next_tokens)]
+    def advance_many(self, items):
+        for key, start, next_tokens, aux in items:
+            rows = self.seen.setdefault(key, [])
+            del rows[start:]  # as the draft rolls back by length
+            rows += [(aux[i].clone(), int(t)) for i, t in enumerate(next_tokens)]
 
-    def propose(self, key, k):
-        return []
+    def propose_many(self, asks):
+        return [[] for _ in asks]
 
     def forget(self, key):
         pass

@@ -24,7 +24,7 @@ import torch
 from k2trt.draft import Draft
 from k2trt.errors import K2Error
 from k2trt.graphs import eagle
-from k2trt.graphs.mask import simple_mask
+from k2trt.graphs.mask import attention_mask
 from k2trt.graphs.ops import TorchOps
 
 
@@ -63,49 +63,93 @@ class EagleDrafter:
     def aux_layers(self) -> tuple[int, ...]:
         return self.cfg.aux_layer_ids
 
-    def _run(self, seq: _Sequence, tokens: list[int], hidden: torch.Tensor) -> torch.Tensor:
-        """The layer over len(tokens) positions after the sequence's cache (hidden [1, n, H]): its cache grows;
-        -> its output [1, n, H]."""
-        n, start = len(tokens), seq.length
-        positions = torch.arange(start, start + n)[None]
-        cos, sin = eagle.rope_tables(self.cfg, positions)
-        embeds = self.embed[torch.tensor(tokens)][None]
-        out, k_new, v_new = eagle.draft_layer(self.ops, self.cfg, embeds, hidden, cos, sin,
-                                              simple_mask(1, start, n), seq.k, seq.v, self.w)
-        seq.k, seq.v = torch.cat([seq.k, k_new], dim=2), torch.cat([seq.v, v_new], dim=2)
-        return out
+    def _layer(self, past: list[tuple[torch.Tensor, torch.Tensor]], tokens: list[list[int]], hidden: torch.Tensor,
+               starts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer for B sequences at once: sequence b's cache past[b] (its positions 0 .. L_b − 1), its new
+        tokens at positions starts[b] + j, hidden [B, T, H] (rows past a sequence's tokens are padding, their
+        outputs meaningless). -> (out [B, T, H], k_new, v_new [B, kv heads, T, head_dim])."""
+        b, t = len(tokens), hidden.shape[1]
+        p = max(k.shape[2] for k, _ in past)
+        past_k = torch.zeros(b, self.cfg.num_key_value_heads, p, self.cfg.head_dim)
+        past_v = torch.zeros_like(past_k)
+        key_valid = torch.zeros(b, p + t, dtype=torch.bool)
+        for i, (k, v) in enumerate(past):
+            past_k[i, :, :k.shape[2]], past_v[i, :, :k.shape[2]] = k[0], v[0]
+            key_valid[i, :k.shape[2]] = True
+            key_valid[i, p:p + len(tokens[i])] = True
+        query_pos = torch.tensor(starts)[:, None] + torch.arange(t)[None]
+        key_pos = torch.cat([torch.arange(p).expand(b, p), query_pos], dim=1)
+        cos, sin = eagle.rope_tables(self.cfg, query_pos)
+        ids = torch.tensor([row + [0] * (t - len(row)) for row in tokens])
+        return eagle.draft_layer(self.ops, self.cfg, self.embed[ids], hidden, cos, sin,
+                                 attention_mask(query_pos, key_pos, key_valid), past_k, past_v, self.w)
 
     def advance(self, key, start: int, next_tokens: list[int], aux: torch.Tensor) -> None:
         """The target computed positions start .. start + n − 1 of sequence `key` and committed them; next_tokens[i]
         follows position start + i; aux [n, 3 × target H] is the residual stream there."""
-        seq = self.sequences.get(key)
-        if start == 0:
-            kv = torch.zeros(1, self.cfg.num_key_value_heads, 0, self.cfg.head_dim)
-            seq = self.sequences[key] = _Sequence(kv, kv.clone())
-        elif seq is None or seq.length < start:  # positions it never saw (a prefix-cache hit): no drafts
-            self.sequences.pop(key, None)
+        self.advance_many([(key, start, next_tokens, aux)])
+
+    def advance_many(self, items: list[tuple]) -> None:
+        """advance for several sequences, their layers run as one batch."""
+        run = []
+        for key, start, next_tokens, aux in items:
+            seq = self.sequences.get(key)
+            if start == 0:
+                kv = torch.zeros(1, self.cfg.num_key_value_heads, 0, self.cfg.head_dim)
+                seq = self.sequences[key] = _Sequence(kv, kv.clone())
+            elif seq is None or seq.length < start:  # positions it never saw (a prefix-cache hit): no drafts
+                self.sequences.pop(key, None)
+                continue
+            seq.cut(start)
+            if next_tokens:
+                run.append((seq, list(next_tokens), aux[:len(next_tokens)].float()))
+        if not run:
             return
-        seq.cut(start)
-        if not next_tokens:
-            return
-        out = self._run(seq, list(next_tokens), eagle.draft_fc(self.ops, self.cfg, aux[None].float(), self.w))
-        seq.last_out = out[:, -1:]
-        seq.last_logits = eagle.draft_head(self.ops, self.cfg, seq.last_out, self.w)
+        t = max(len(tokens) for _, tokens, _ in run)
+        aux = torch.zeros(len(run), t, run[0][2].shape[-1])
+        for i, (_, tokens, a) in enumerate(run):
+            aux[i, :len(tokens)] = a
+        hidden = eagle.draft_fc(self.ops, self.cfg, aux, self.w)
+        out, k_new, v_new = self._layer([(s.k, s.v) for s, _, _ in run], [tok for _, tok, _ in run], hidden,
+                                        [s.length for s, _, _ in run])
+        last = torch.stack([out[i, len(tokens) - 1] for i, (_, tokens, _) in enumerate(run)])[:, None]  # [B, 1, H]
+        logits = eagle.draft_head(self.ops, self.cfg, last, self.w)
+        for i, (seq, tokens, _) in enumerate(run):
+            n = len(tokens)
+            seq.k = torch.cat([seq.k, k_new[i:i + 1, :, :n]], dim=2)
+            seq.v = torch.cat([seq.v, v_new[i:i + 1, :, :n]], dim=2)
+            seq.last_out, seq.last_logits = last[i:i + 1], logits[i:i + 1]
 
     def propose(self, key, k: int) -> list[int]:
         """Up to k draft tokens (target ids) after the sequence's committed positions; none without state."""
-        seq = self.sequences.get(key)
-        if seq is None or seq.last_logits is None or k < 1:
-            return []
-        committed = seq.length
-        out, logits, tokens = seq.last_out, seq.last_logits, []
-        for i in range(k):
-            tokens.append(int(self.target_ids[int(logits[0, -1].argmax())]))
-            if i + 1 < k:
-                out = self._run(seq, tokens[-1:], out)
-                logits = eagle.draft_head(self.ops, self.cfg, out, self.w)
-        seq.cut(committed)
-        return tokens
+        return self.propose_many([(key, k)])[0]
+
+    def propose_many(self, asks: list[tuple]) -> list[list[int]]:
+        """propose for several sequences: each draft step of all of them one batch; their caches are left as
+        committed (the drafted positions live in a working copy)."""
+        live = [(i, self.sequences.get(key), k) for i, (key, k) in enumerate(asks)]
+        live = [(i, seq, k) for i, seq, k in live if seq is not None and seq.last_logits is not None and k >= 1]
+        result: list[list[int]] = [[] for _ in asks]
+        if not live:
+            return result
+        seqs = [seq for _, seq, _ in live]
+        past = [(seq.k, seq.v) for seq in seqs]
+        out = torch.cat([seq.last_out for seq in seqs])  # [B, 1, H]
+        logits = torch.cat([seq.last_logits for seq in seqs])
+        steps = max(k for _, _, k in live)
+        for step in range(steps):
+            drafted = [int(self.target_ids[int(row[-1].argmax())]) for row in logits]
+            for (i, _, k), tok in zip(live, drafted):
+                if step < k:
+                    result[i].append(tok)
+            if step + 1 == steps:
+                break
+            starts = [seq.length + step for seq in seqs]
+            out, k_new, v_new = self._layer(past, [[tok] for tok in drafted], out, starts)
+            past = [(torch.cat([pk, k_new[b:b + 1]], dim=2), torch.cat([pv, v_new[b:b + 1]], dim=2))
+                    for b, (pk, pv) in enumerate(past)]
+            logits = eagle.draft_head(self.ops, self.cfg, out, self.w)
+        return result
 
     def forget(self, key) -> None:
         self.sequences.pop(key, None)

@@ -396,12 +396,11 @@ class Scheduler(BatchScheduler):
                 self._ops += self.layout.promote(r)
                 r.feed, r.fed, r.resuming = r.prompt, len(r.prompt), False
         if aux is not None:
-            for b, (r, t) in enumerate(zip(reqs, tokens)):
-                self._advance_draft(r, r.cached - len(t), len(t), aux[b])
+            self._advance_drafts([(r, r.cached - len(t), len(t), aux[b]) for b, (r, t) in enumerate(zip(reqs, tokens))])
 
     def _decode_step(self, reqs: list[Request]) -> None:
         speculate = self.speculation is not None and self.spec_policy.allow()
-        drafts = [self._drafts(r) if speculate else [] for r in reqs]
+        drafts = self._drafts(reqs) if speculate else [[] for _ in reqs]
         t0 = time.perf_counter()
         ids = self._run(DECODE, reqs, [[r.pending, *d] for r, d in zip(reqs, drafts)], [r.cached for r in reqs],
                         [True] * len(reqs), [len(d) for d in drafts] if any(drafts) else [])
@@ -430,30 +429,39 @@ class Scheduler(BatchScheduler):
                 if self._running(r):
                     self._publish(r)  # the pages its kept drafts filled
         if aux is not None:  # the committed positions: its last token and the drafts kept
-            for b, (r, start, toks) in enumerate(zip(reqs, starts, kept)):
-                self._advance_draft(r, start, len(toks), aux[b])
+            self._advance_drafts([(r, start, len(toks), aux[b])
+                                  for b, (r, start, toks) in enumerate(zip(reqs, starts, kept))])
 
-    def _advance_draft(self, req: Request, start: int, n: int, aux) -> None:
-        """The draft over positions start .. start + n − 1 of a request, each paired with the token after it."""
-        if req.done:
-            self.drafter.forget(req.id)
-            return
-        following = (req.prompt + req.token_ids)[start + 1:start + n + 1]
-        self.drafter.advance(req.id, start, following, aux[:len(following)])
+    def _advance_drafts(self, rows: list[tuple]) -> None:
+        """The draft over positions start .. start + n − 1 of each (request, start, n, aux), each paired with the
+        token after it; a finished request's draft state is dropped."""
+        items = []
+        for req, start, n, aux in rows:
+            if req.done:
+                self.drafter.forget(req.id)
+                continue
+            following = (req.prompt + req.token_ids)[start + 1:start + n + 1]
+            items.append((req.id, start, following, aux[:len(following)]))
+        self.drafter.advance_many(items)
 
-    def _drafts(self, req: Request) -> list[int]:
-        """The draft tokens a decoding request proposes this step (none without speculation), as many as its
-        token budget, the context and the pages it holds or can take now allow."""
+    def _drafts(self, reqs: list[Request]) -> list[list[int]]:
+        """The draft tokens each decoding request proposes this step, as many as its token budget, the context and
+        the pages it holds or can take now allow (an EAGLE-3 draft proposes for all of them in one batch)."""
         spec = self.speculation
-        if spec is None or not req.backoff.ready():
-            return []
-        room = min(req.max_new_tokens - len(req.token_ids) - 1, self.limits.max_context - req.cached - 1)
-        if room <= 0:
-            drafts = []
-        elif self.drafter is not None:
-            drafts = self.drafter.propose(req.id, min(room, spec.num_speculative_tokens))
+        rooms = [min(r.max_new_tokens - len(r.token_ids) - 1, self.limits.max_context - r.cached - 1)
+                 if r.backoff.ready() else 0 for r in reqs]
+        if self.drafter is not None:
+            asks = [(r.id, min(room, spec.num_speculative_tokens)) for r, room in zip(reqs, rooms)]
+            proposed = self.drafter.propose_many([a for a in asks if a[1] > 0])
+            by_id = {key: d for (key, _), d in zip([a for a in asks if a[1] > 0], proposed)}
+            proposals = [by_id.get(r.id, []) for r in reqs]
         else:
-            drafts = spec.propose(req.prompt + req.token_ids, room)
+            proposals = [spec.propose(r.prompt + r.token_ids, room) if room > 0 else []
+                         for r, room in zip(reqs, rooms)]
+        return [self._fit_drafts(r, d) for r, d in zip(reqs, proposals)]
+
+    def _fit_drafts(self, req: Request, drafts: list[int]) -> list[int]:
+        """The drafts the request's pages hold, taking free pages where they are (never preempting)."""
         pt = self.pool.page_tokens
         while drafts and req.cached + 1 + len(drafts) > len(req.table) * pt:
             page = self.pool.allocate(1, req.part)  # a draft never preempts anyone: it shortens instead
