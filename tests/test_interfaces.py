@@ -66,6 +66,8 @@ def test_a_missing_member_is_caught():
     """The check itself: an executor that forgets take_logprobs is reported."""
     class Forgetful(Executor):
         samples_here = False
+        verifies_drafts = captures_aux = False
+        aux_layers = ()
 
         def __init__(self):
             self.clock = None
@@ -74,6 +76,9 @@ def test_a_missing_member_is_caught():
             return []
 
         def session_seconds(self):
+            return None
+
+        def take_aux(self):
             return None
 
     with pytest.raises(AssertionError, match="take_logprobs is the protocol's stub"):

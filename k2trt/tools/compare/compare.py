@@ -76,7 +76,7 @@ def compare(setup: Setup, log: Callable[[str], None] = lambda m: print(m, file=s
     rows: list[Row] = []
     for name, backend in backends.items():
         aq = backend.activation_quant
-        key = (aq, bool(getattr(backend, "reads_pages", False)))  # its FP8 convention, and the cache form it takes
+        key = (aq, backend.reads_pages)  # its FP8 convention, and the cache form it takes
         if key not in goldens:
             log(f"compare: reference run (activation_quant={aq}{', pages' if key[1] else ''}) on "
                 f"{len(setup.prompts)} prompt(s)")

@@ -12,7 +12,7 @@ from k2trt.tools.compare.table import Row
 def e2e_rows(name: str, backend, golden, cfg, tol) -> list[Row]:
     from polygraphy.comparator import RunResults
 
-    rec = Recorder(backend, cfg, [], paged=bool(getattr(backend, "reads_pages", False)))  # its own cache form
+    rec = Recorder(backend, cfg, [], paged=backend.reads_pages)  # its own cache form
     results, _ = Generator(rec, cfg).generate(golden.prompts, len(golden.tokens[0]))
     actual = RunResults()
     actual.add([{"logits": rec.logits[0]}], runner_name=name)

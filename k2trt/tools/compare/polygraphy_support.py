@@ -61,7 +61,7 @@ class BackendRunner(BaseRunner):
         self.inputs, self.outputs = BLOCK_ACTIVATIONS[kind]
         # a backend that reads pages (the TensorRT engines) takes the pool, page tables and lengths (golden.py
         # records them for it) in place of the gathered cache and its mask
-        self.paged = bool(getattr(backend, "reads_pages", False)) and "latent_cache" in self.inputs
+        self.paged = backend.reads_pages and "latent_cache" in self.inputs
         if self.paged:
             self.inputs = [n for n in self.inputs if n not in ("attention_mask", "latent_cache")] + list(PAGED_INPUTS)
 
