@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import torch
 
+from k2trt.config import K2Config
 from k2trt.draft_config import LAYER, DraftConfig
+from k2trt.graphs import blocks
 from k2trt.graphs.blocks import rms_norm
+from k2trt.graphs.fp8 import WEIGHT_DEQUANT
 
 F32 = "float32"
 
@@ -50,11 +53,8 @@ def draft_fc(ops, cfg: DraftConfig, aux, w):
 def draft_layer(ops, cfg: DraftConfig, embeds, hidden, cos, sin, mask, past_k, past_v, w):
     """The decoder layer over T new positions. embeds, hidden [B, T, H]; cos/sin [B, T, head_dim / 2]; mask
     [B, T, P + T]; past_k/past_v [B, kv heads, P, head_dim] -> (out [B, T, H], k_new, v_new)."""
-    heads, kv_heads, hd, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
-    e = rms_norm(ops, embeds, w[LAYER + "input_layernorm.weight"], eps)
-    h = rms_norm(ops, hidden, w[LAYER + "hidden_norm.weight"], eps)
-    residual = h if cfg.norm_before_residual else hidden
-    x = ops.concat([e, h], axis=-1)  # [B, T, 2H]
+    heads, kv_heads, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    x, residual = _inputs(ops, cfg, embeds, hidden, w)
 
     def project(name, n):
         y = ops.linear(x, w[LAYER + f"self_attn.{name}.weight"])
@@ -75,11 +75,34 @@ def draft_layer(ops, cfg: DraftConfig, embeds, hidden, cos, sin, mask, past_k, p
     p_past, p_new = ops.split_at(probs, ops.dim(past_k, 2), axis=-1)
     o = ops.reshape(ops.matmul(p_past, past_v) + ops.matmul(p_new, v_new), [0, heads, -1, hd])  # [B, heads, T, hd]
     o = ops.reshape(ops.transpose(o, [0, 2, 1, 3]), [0, 0, heads * hd])
-    h1 = ops.linear(o, w[LAYER + "self_attn.o_proj.weight"]) + residual
-    m = rms_norm(ops, h1, w[LAYER + "post_attention_layernorm.weight"], eps)
+    return _mlp_tail(ops, cfg, ops.linear(o, w[LAYER + "self_attn.o_proj.weight"]), residual, w), k_new, v_new
+
+
+def _inputs(ops, cfg: DraftConfig, embeds, hidden, w):
+    """(concat(input_layernorm(embeds), hidden_norm(hidden)) [B, T, 2H], the residual)."""
+    e = rms_norm(ops, embeds, w[LAYER + "input_layernorm.weight"], cfg.rms_norm_eps)
+    h = rms_norm(ops, hidden, w[LAYER + "hidden_norm.weight"], cfg.rms_norm_eps)
+    return ops.concat([e, h], axis=-1), (h if cfg.norm_before_residual else hidden)
+
+
+def _mlp_tail(ops, cfg: DraftConfig, attn_out, residual, w):
+    h1 = attn_out + residual
+    m = rms_norm(ops, h1, w[LAYER + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
     gate = ops.silu(ops.linear(m, w[LAYER + "mlp.gate_proj.weight"]))
-    mlp = ops.linear(gate * ops.linear(m, w[LAYER + "mlp.up_proj.weight"]), w[LAYER + "mlp.down_proj.weight"])
-    return mlp + h1, k_new, v_new
+    return ops.linear(gate * ops.linear(m, w[LAYER + "mlp.up_proj.weight"]), w[LAYER + "mlp.down_proj.weight"]) + h1
+
+
+def draft_layer_mla(ops, cfg: DraftConfig, attn_cfg: K2Config, embeds, hidden, rope_cos, rope_sin, mask,
+                    latent_cache, w):
+    """The MLA layout's layer (Eagle3DeepseekV2ForCausalLM): the same inputs and MLP as draft_layer, its attention
+    the target's MLA (graphs/blocks.attention, absorbed or decompressed by T) over concat(e, h), with its own latent
+    cache [B, P, kv_lora + rope] and K2's rotary tables (graphs/rope.rope_tables of attn_cfg: DeepSeek's YaRN where
+    the draft's config has rope_scaling) -> (out [B, T, H], latent_new [B, T, kv_lora + rope])."""
+    x, residual = _inputs(ops, cfg, embeds, hidden, w)
+    attn_w = {name[len(LAYER):]: t for name, t in w.items() if name.startswith(LAYER + "self_attn.")}
+    attn_out, latent_new = blocks.attention(ops, attn_cfg, "dense_block", x, rope_cos, rope_sin, mask,
+                                            latent_cache, attn_w, WEIGHT_DEQUANT)
+    return _mlp_tail(ops, cfg, attn_out, residual, w), latent_new
 
 
 def draft_head(ops, cfg: DraftConfig, out, w):

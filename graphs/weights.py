@@ -148,7 +148,8 @@ def weight_formats(cfg: K2Config) -> dict[tuple[str, str], WeightFormat]:
                     raise ConfigError(f"quantization_config stores {prefix}{first_name} as {first.describe()} "
                                       f"({first.source}) but {prefix}{name} as {fmt.describe()} ({fmt.source}): "
                                       f"k2trt needs every layer of a kind to store a projection in one format")
-            _check_role(cfg, kind, role, in_features, first, prefix + first_name)
+            if layers:  # a kind no layer has stores nothing to refuse (an EAGLE-3 draft's one dense layer)
+                _check_role(cfg, kind, role, in_features, first, prefix + first_name)
             out[(kind, role)] = first
         for suffix, cls in _OTHER_MODULES + ((("mlp.gate", "MoEGate"),) if kind == "moe_block" else ()):
             for i in layers:

@@ -46,6 +46,21 @@ class DraftConfig:
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
+    rope_scaling: dict | None = None  # mla: as config.json gives it (DeepSeek's YaRN), None: plain rotary
+    max_position_embeddings: int = 0
+
+    def attention_config(self, target: K2Config) -> K2Config:
+        """The MLA layout's attention as a K2Config of its own (bf16, one dense layer, the draft's widths and
+        rotary), so graphs/blocks.attention — the target's MLA — computes it; its input is 2 × hidden wide."""
+        raw = {k: v for k, v in target.to_hf_dict().items() if k not in ("quantization_config", "rope_scaling")}
+        raw.update(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size, num_hidden_layers=1,
+                   num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_attention_heads,
+                   q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
+                   qk_rope_head_dim=self.qk_rope_head_dim, qk_nope_head_dim=self.qk_nope_head_dim,
+                   v_head_dim=self.v_head_dim, rope_theta=self.rope_theta, rms_norm_eps=self.rms_norm_eps,
+                   first_k_dense_replace=1, rope_scaling=self.rope_scaling,
+                   max_position_embeddings=self.max_position_embeddings or target.max_position_embeddings)
+        return K2Config.from_hf_dict(raw, "the draft's attention (config.json)")
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor a draft of this config must hold (names as normalized), and its shape."""
@@ -152,12 +167,25 @@ def parse_draft_config(raw: dict, where: str, target: K2Config) -> DraftConfig:
                           head_dim=_int(body, "head_dim", where, hidden // heads))
     else:
         q_lora = body.get("q_lora_rank")
+        scaling = body.get("rope_scaling")
+        if scaling is not None and not isinstance(scaling, dict):
+            raise DraftError(f"{where}: rope_scaling must be an object, got {scaling!r}")
         cfg = DraftConfig(**common, q_lora_rank=None if q_lora is None else _int(body, "q_lora_rank", where),
+                          rope_scaling=scaling,
+                          max_position_embeddings=_int(body, "max_position_embeddings", where,
+                                                       target.max_position_embeddings),
                           kv_lora_rank=_int(body, "kv_lora_rank", where),
                           qk_rope_head_dim=_int(body, "qk_rope_head_dim", where),
                           qk_nope_head_dim=_int(body, "qk_nope_head_dim", where),
                           v_head_dim=_int(body, "v_head_dim", where))
     check_against_target(cfg, target, where)
+    if layout == "mla":
+        if cfg.q_lora_rank is None:
+            raise DraftError(f"{where}: an MLA draft without q_lora_rank is not supported yet (K2's drafts have one)")
+        try:
+            cfg.attention_config(target)
+        except K2Error as e:
+            raise DraftError(f"{where}: {e}") from None
     return cfg
 
 

@@ -37,7 +37,8 @@ def tiny_draft_config(target: K2Config, form: str) -> tuple[DraftConfig, dict]:
         cfg = DraftConfig(layout="mla", source_format="eagle3", draft_vocab_size=target.vocab_size,
                           aux_layer_ids=inputs_to, aux_ids_as_written=inputs_to, q_lora_rank=h // 2,
                           kv_lora_rank=h // 2, qk_rope_head_dim=target.qk_rope_head_dim,
-                          qk_nope_head_dim=target.qk_nope_head_dim, v_head_dim=target.v_head_dim, **common)
+                          qk_nope_head_dim=target.qk_nope_head_dim, v_head_dim=target.v_head_dim,
+                          max_position_embeddings=target.max_position_embeddings, **common)
         raw = {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", **common,
                "draft_vocab_size": cfg.draft_vocab_size, "q_lora_rank": cfg.q_lora_rank,
                "kv_lora_rank": cfg.kv_lora_rank, "qk_rope_head_dim": cfg.qk_rope_head_dim,

@@ -5,9 +5,11 @@ How a draft follows its sequence (vLLM's and SGLang's scheme): at position p it 
 entering the aux layers (Executor.take_aux, through `fc`) and the embedding of the token that followed p, and its
 output there predicts the token after that. So after every step that computed positions s .. s + n − 1 of a sequence
 — a prompt chunk, or a verify step's committed positions (the last token and the drafts kept) — `advance` runs the
-draft over those n pairs, writing its own KV cache at those positions; `propose` then runs it k − 1 more times on its
+draft over those n pairs, writing its own cache at those positions; `propose` then runs it k − 1 more times on its
 own output (its pre-norm hidden fed back, the drafted token embedded) and gives the k tokens, mapped to target ids
-(d2t), then cuts its cache back to the committed positions. The cache rolls back by length, never by copying: a
+(d2t), its cache left at the committed positions. Every call runs all its sequences as one batch (caches and
+chunks padded under one mask). The Llama layout keeps keys and values per KV head; the MLA layout its latent rows,
+its attention the target's own (graphs/blocks.attention, absorbed or decompressed by T). The cache rolls back by length, never by copying: a
 step that starts at s drops everything from s on first (rejected drafts, a preempted sequence recomputing).
 
 Where a sequence's positions were not all computed here — a prefix-cache hit — the draft has no state for them and
@@ -21,35 +23,39 @@ from dataclasses import dataclass
 
 import torch
 
+from k2trt.config import K2Config
 from k2trt.draft import Draft
 from k2trt.errors import K2Error
-from k2trt.graphs import eagle
+from k2trt.graphs import eagle, rope
 from k2trt.graphs.mask import attention_mask
 from k2trt.graphs.ops import TorchOps
 
 
 @dataclass
 class _Sequence:
-    """One sequence's draft state: its KV cache over positions 0 .. length − 1, and its output at the last one."""
-    k: torch.Tensor  # [1, kv heads, length, head_dim]
-    v: torch.Tensor
+    """One sequence's draft state: its cache over positions 0 .. length − 1 — (k, v) [1, kv heads, L, head_dim]
+    for the Llama layout, (latent,) [1, L, kv_lora + rope] for the MLA one — and its output at the last one."""
+    parts: list[torch.Tensor]
+    axis: int  # the positions' axis of each part
     last_out: torch.Tensor | None = None  # [1, 1, H]: fed back as the next step's hidden
     last_logits: torch.Tensor | None = None  # [1, 1, draft vocab]
 
     @property
     def length(self) -> int:
-        return self.k.shape[2]
+        return self.parts[0].shape[self.axis]
 
     def cut(self, length: int) -> None:
-        self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+        self.parts = [p.narrow(self.axis, 0, length) for p in self.parts]
 
 
 class EagleDrafter:
-    def __init__(self, draft: Draft, target_embedding: torch.Tensor | None):
-        cfg = draft.config
-        if cfg.layout != "llama":
-            raise K2Error(f"{draft.root}: MLA-layout EAGLE-3 drafts load but do not run yet; use a Llama-layout draft")
-        self.cfg = cfg
+    def __init__(self, draft: Draft, target_embedding: torch.Tensor | None, target: K2Config | None = None):
+        self.cfg = cfg = draft.config
+        self.mla = cfg.layout == "mla"
+        if self.mla and target is None:
+            raise K2Error(f"{draft.root}: an MLA-layout draft needs its target's config")
+        self.attn_cfg = cfg.attention_config(target) if self.mla else None
+        self.axis = 1 if self.mla else 2
         self.w = {name: t.float() for name, t in draft.tensors.items() if t.dtype.is_floating_point}
         embed = draft.tensors.get("embed_tokens.weight", target_embedding)
         if embed is None:
@@ -63,26 +69,43 @@ class EagleDrafter:
     def aux_layers(self) -> tuple[int, ...]:
         return self.cfg.aux_layer_ids
 
-    def _layer(self, past: list[tuple[torch.Tensor, torch.Tensor]], tokens: list[list[int]], hidden: torch.Tensor,
-               starts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The layer for B sequences at once: sequence b's cache past[b] (its positions 0 .. L_b − 1), its new
-        tokens at positions starts[b] + j, hidden [B, T, H] (rows past a sequence's tokens are padding, their
-        outputs meaningless). -> (out [B, T, H], k_new, v_new [B, kv heads, T, head_dim])."""
-        b, t = len(tokens), hidden.shape[1]
-        p = max(k.shape[2] for k, _ in past)
-        past_k = torch.zeros(b, self.cfg.num_key_value_heads, p, self.cfg.head_dim)
-        past_v = torch.zeros_like(past_k)
+    def _empty(self) -> _Sequence:
+        if self.mla:
+            return _Sequence([torch.zeros(1, 0, self.attn_cfg.latent_dim)], self.axis)
+        kv = torch.zeros(1, self.cfg.num_key_value_heads, 0, self.cfg.head_dim)
+        return _Sequence([kv, kv.clone()], self.axis)
+
+    def _layer(self, past: list[list[torch.Tensor]], tokens: list[list[int]], hidden: torch.Tensor,
+               starts: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The layer for B sequences at once: sequence b's cache parts past[b] (its positions 0 .. L_b − 1), its
+        new tokens at positions starts[b] + j, hidden [B, T, H] (rows past a sequence's tokens are padding, their
+        outputs meaningless). -> (out [B, T, H], the new positions' cache parts, batched)."""
+        b, t, axis = len(tokens), hidden.shape[1], self.axis
+        p = max(parts[0].shape[axis] for parts in past)
+        padded = []
+        for j in range(len(past[0])):
+            shape = list(past[0][j].shape)
+            shape[0], shape[axis] = b, p
+            buf = torch.zeros(shape)
+            for i, parts in enumerate(past):
+                buf[i].narrow(axis - 1, 0, parts[j].shape[axis]).copy_(parts[j][0])
+            padded.append(buf)
         key_valid = torch.zeros(b, p + t, dtype=torch.bool)
-        for i, (k, v) in enumerate(past):
-            past_k[i, :, :k.shape[2]], past_v[i, :, :k.shape[2]] = k[0], v[0]
-            key_valid[i, :k.shape[2]] = True
+        for i, parts in enumerate(past):
+            key_valid[i, :parts[0].shape[axis]] = True
             key_valid[i, p:p + len(tokens[i])] = True
         query_pos = torch.tensor(starts)[:, None] + torch.arange(t)[None]
         key_pos = torch.cat([torch.arange(p).expand(b, p), query_pos], dim=1)
+        mask = attention_mask(query_pos, key_pos, key_valid)
+        embeds = self.embed[torch.tensor([row + [0] * (t - len(row)) for row in tokens])]
+        if self.mla:
+            cos, sin = rope.rope_tables(self.attn_cfg, query_pos)
+            out, latent_new = eagle.draft_layer_mla(self.ops, self.cfg, self.attn_cfg, embeds, hidden, cos, sin,
+                                                    mask, padded[0], self.w)
+            return out, [latent_new]
         cos, sin = eagle.rope_tables(self.cfg, query_pos)
-        ids = torch.tensor([row + [0] * (t - len(row)) for row in tokens])
-        return eagle.draft_layer(self.ops, self.cfg, self.embed[ids], hidden, cos, sin,
-                                 attention_mask(query_pos, key_pos, key_valid), past_k, past_v, self.w)
+        out, k_new, v_new = eagle.draft_layer(self.ops, self.cfg, embeds, hidden, cos, sin, mask, *padded, self.w)
+        return out, [k_new, v_new]
 
     def advance(self, key, start: int, next_tokens: list[int], aux: torch.Tensor) -> None:
         """The target computed positions start .. start + n − 1 of sequence `key` and committed them; next_tokens[i]
@@ -95,8 +118,7 @@ class EagleDrafter:
         for key, start, next_tokens, aux in items:
             seq = self.sequences.get(key)
             if start == 0:
-                kv = torch.zeros(1, self.cfg.num_key_value_heads, 0, self.cfg.head_dim)
-                seq = self.sequences[key] = _Sequence(kv, kv.clone())
+                seq = self.sequences[key] = self._empty()
             elif seq is None or seq.length < start:  # positions it never saw (a prefix-cache hit): no drafts
                 self.sequences.pop(key, None)
                 continue
@@ -110,14 +132,13 @@ class EagleDrafter:
         for i, (_, tokens, a) in enumerate(run):
             aux[i, :len(tokens)] = a
         hidden = eagle.draft_fc(self.ops, self.cfg, aux, self.w)
-        out, k_new, v_new = self._layer([(s.k, s.v) for s, _, _ in run], [tok for _, tok, _ in run], hidden,
-                                        [s.length for s, _, _ in run])
+        out, news = self._layer([s.parts for s, _, _ in run], [tok for _, tok, _ in run], hidden,
+                                [s.length for s, _, _ in run])
         last = torch.stack([out[i, len(tokens) - 1] for i, (_, tokens, _) in enumerate(run)])[:, None]  # [B, 1, H]
         logits = eagle.draft_head(self.ops, self.cfg, last, self.w)
         for i, (seq, tokens, _) in enumerate(run):
-            n = len(tokens)
-            seq.k = torch.cat([seq.k, k_new[i:i + 1, :, :n]], dim=2)
-            seq.v = torch.cat([seq.v, v_new[i:i + 1, :, :n]], dim=2)
+            seq.parts = [torch.cat([part, new[i:i + 1].narrow(self.axis, 0, len(tokens))], dim=self.axis)
+                         for part, new in zip(seq.parts, news)]
             seq.last_out, seq.last_logits = last[i:i + 1], logits[i:i + 1]
 
     def propose(self, key, k: int) -> list[int]:
@@ -133,7 +154,7 @@ class EagleDrafter:
         if not live:
             return result
         seqs = [seq for _, seq, _ in live]
-        past = [(seq.k, seq.v) for seq in seqs]
+        past = [list(seq.parts) for seq in seqs]
         out = torch.cat([seq.last_out for seq in seqs])  # [B, 1, H]
         logits = torch.cat([seq.last_logits for seq in seqs])
         steps = max(k for _, _, k in live)
@@ -145,9 +166,9 @@ class EagleDrafter:
             if step + 1 == steps:
                 break
             starts = [seq.length + step for seq in seqs]
-            out, k_new, v_new = self._layer(past, [[tok] for tok in drafted], out, starts)
-            past = [(torch.cat([pk, k_new[b:b + 1]], dim=2), torch.cat([pv, v_new[b:b + 1]], dim=2))
-                    for b, (pk, pv) in enumerate(past)]
+            out, news = self._layer(past, [[tok] for tok in drafted], out, starts)
+            past = [[torch.cat([part, new[b:b + 1]], dim=self.axis) for part, new in zip(parts, news)]
+                    for b, parts in enumerate(past)]
             logits = eagle.draft_head(self.ops, self.cfg, out, self.w)
         return result
 
@@ -165,4 +186,4 @@ def make_drafter(speculation, cfg, weights) -> EagleDrafter | None:
     draft = load_draft(speculation.model, cfg)
     name = "model.embed_tokens.weight"
     embedding = None if not draft.shares_embedding else weights.globals([name])[name]
-    return EagleDrafter(draft, embedding)
+    return EagleDrafter(draft, embedding, cfg)
