@@ -267,3 +267,37 @@ def test_a_batch_of_sequences_drafts_as_each_alone(draft_dirs, form):
                                    rtol=1e-4, atol=1e-4)
     assert batched.propose_many([(key, k) for key, k in enumerate(asks)] + [("none", 2)]) == \
         [alone.propose(key, k) for key, k in enumerate(asks)] + [[]]
+
+
+def test_a_prefix_hit_restores_the_drafts_cache(draft_dirs):
+    """The same prompts twice through one scheduler with the prefix cache: the second time their first pages come
+    from the cache, and the draft's cache over them from the pages the draft kept — keyed by the page and the token
+    after it — so those requests propose drafts as well; the tokens are those of no draft, both times."""
+    from k2trt.runtime.backends.torch_reference import TorchBackend
+
+    weights = RandomWeights(TINY, seed=3)
+    backend = TorchBackend(weights, "float32", 0)
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, 1000, (150,), generator=g).tolist() for _ in range(2)]
+
+    def run(spec):
+        limits = Limits(max_context=256, max_batch=2, prefill_chunk=64)
+        sched = Scheduler(StageExecutor(backend, TINY), TINY, limits, speculation=spec,
+                          drafter=make_drafter(spec, TINY, weights))
+        sched.spec_policy = Always()
+        rounds = []
+        for _ in range(2):
+            sched.spec_counters = SpecCounters()
+            reqs = [sched.submit(Request(list(p), 8, SamplingParams())) for p in prompts]
+            sched.run_until_idle()
+            rounds.append(([r.token_ids for r in reqs], [r.cached_tokens for r in reqs], sched.spec_counters))
+        return rounds, sched
+
+    plain, _ = run(None)
+    spec = SpeculativeConfig(method="eagle3", model=str(draft_dirs["llama"]), num_speculative_tokens=3)
+    fast, sched = run(spec)
+    (first, _, c1), (second, hits, c2) = fast
+    assert first == plain[0][0] and second == plain[1][0]
+    assert hits == [128, 128]  # two full pages of each prompt reused
+    assert c2.num_drafts > 0 and c2.num_drafts == c1.num_drafts  # proposing as much as the first time
+    assert len(sched.drafter.pages) >= 4

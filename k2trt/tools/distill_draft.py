@@ -45,6 +45,12 @@ class _Recorder:
     def forget(self, key):
         pass
 
+    def keep_pages(self, key, page_keys, tokens, page_tokens):
+        pass  # collect() runs without the prefix cache
+
+    def restore(self, key, page_keys, tokens, page_tokens):
+        pass
+
 
 def collect(model: Path, draft_dir: Path, sequences: int, prompt_len: int, new_tokens: int, seed: int):
     """(aux [N, L, 3H], next tokens [N, L]) of greedy continuations of seeded random prompts on the torch reference."""

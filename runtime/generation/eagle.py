@@ -12,8 +12,10 @@ chunks padded under one mask). The Llama layout keeps keys and values per KV hea
 its attention the target's own (graphs/blocks.attention, absorbed or decompressed by T). The cache rolls back by length, never by copying: a
 step that starts at s drops everything from s on first (rejected drafts, a preempted sequence recomputing).
 
-Where a sequence's positions were not all computed here — a prefix-cache hit — the draft has no state for them and
-proposes nothing for that sequence (verification stays exact either way). Proposals are argmax (a one-hot q), so the
+A prefix-cache hit restores the draft's cache over the pages reused from the pages the draft kept as sequences
+filled them (`keep_pages` / `restore`, keyed by the page's key and the token after it, since the draft's last position
+on a page read the next page's first token); where one is missing the sequence proposes nothing (verification
+stays exact either way). Proposals are argmax (a one-hot q), so the
 verify step's sampling (speculation.py) keeps the target's distribution.
 """
 
@@ -48,6 +50,9 @@ class _Sequence:
         self.parts = [p.narrow(self.axis, 0, length) for p in self.parts]
 
 
+PAGE_STORE = 1024  # draft cache pages kept for prefix hits (least recently stored dropped first)
+
+
 class EagleDrafter:
     def __init__(self, draft: Draft, target_embedding: torch.Tensor | None, target: K2Config | None = None):
         self.cfg = cfg = draft.config
@@ -64,6 +69,9 @@ class EagleDrafter:
         self.target_ids = draft.target_ids
         self.ops = TorchOps("float32")
         self.sequences: dict[object, _Sequence] = {}
+        # (page key, the token after the page) -> the draft's cache over the page: the page key names the page's
+        # tokens and all before them, and the draft's last position there also read the next page's first token
+        self.pages: dict[tuple, list[torch.Tensor]] = {}
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -174,6 +182,36 @@ class EagleDrafter:
 
     def forget(self, key) -> None:
         self.sequences.pop(key, None)
+
+    # ---- prefix reuse: the draft's cache follows the target's pages ------------------------------------------------
+    def keep_pages(self, key, page_keys: list[bytes], tokens: list[int], page_tokens: int) -> None:
+        """Store the sequence's draft cache over each of its full pages it has computed (page_keys in position
+        order, tokens its tokens so far), for a later sequence whose prefix hits them."""
+        seq = self.sequences.get(key)
+        if seq is None:
+            return
+        for i, pk in enumerate(page_keys):
+            end = (i + 1) * page_tokens
+            if end >= len(tokens) or seq.length < end:
+                break
+            store_key = (pk, tokens[end])
+            if store_key not in self.pages:
+                self.pages[store_key] = [p.narrow(self.axis, end - page_tokens, page_tokens).clone()
+                                         for p in seq.parts]
+        while len(self.pages) > PAGE_STORE:
+            self.pages.pop(next(iter(self.pages)))
+
+    def restore(self, key, page_keys: list[bytes], tokens: list[int], page_tokens: int) -> None:
+        """A sequence admitted with its first len(page_keys) pages from the prefix cache: its draft cache over
+        them from the pages kept, if every one is (else it proposes nothing: advance finds positions it never saw)."""
+        stored = [self.pages.get((pk, tokens[(i + 1) * page_tokens])) if (i + 1) * page_tokens < len(tokens)
+                  else None for i, pk in enumerate(page_keys)]
+        if not page_keys or any(s is None for s in stored):
+            self.sequences.pop(key, None)
+            return
+        seq = self._empty()
+        seq.parts = [torch.cat([s[j] for s in stored], dim=self.axis) for j in range(len(seq.parts))]
+        self.sequences[key] = seq
 
 
 def make_drafter(speculation, cfg, weights) -> EagleDrafter | None:

@@ -312,6 +312,8 @@ class Scheduler(BatchScheduler):
             self.waiting.popleft()
             req.table, req.part = hit + table, part
             req.fed = req.cached = len(hit) * pt
+            if self.drafter is not None and req.cached:  # the draft's cache over the pages it reuses
+                self.drafter.restore(req.id, req.held_keys(pt, req.cached), req.prompt + req.token_ids, pt)
             if req.cached_tokens is None:
                 req.cached_tokens = req.cached
                 self.counters.queried_tokens += len(req.prompt)
@@ -443,6 +445,11 @@ class Scheduler(BatchScheduler):
             following = (req.prompt + req.token_ids)[start + 1:start + n + 1]
             items.append((req.id, start, following, aux[:len(following)]))
         self.drafter.advance_many(items)
+        pt = self.pool.page_tokens
+        for req, _, _, _ in rows:  # its full pages, for prefix hits of later requests (as _publish does)
+            if not req.done and self.pool.prefix_cache:
+                tokens = req.prompt + req.token_ids
+                self.drafter.keep_pages(req.id, req.held_keys(pt, min(req.cached, len(tokens))), tokens, pt)
 
     def _drafts(self, reqs: list[Request]) -> list[list[int]]:
         """The draft tokens each decoding request proposes this step, as many as its token budget, the context and
