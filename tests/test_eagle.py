@@ -71,7 +71,8 @@ def test_the_draft_layer_is_transformers_llama_over_embedding_and_hidden(draft_d
     ops = TorchOps("float32")
     past_k = past_v = torch.zeros(1, cfg.num_key_value_heads, 0, cfg.head_dim)
     for start, n in ((0, 5), (5, 3)):  # a prefill, then positions over a cache
-        embeds, hidden = torch.randn(1, n, cfg.hidden_size, generator=g), torch.randn(1, n, cfg.hidden_size, generator=g)
+        embeds = torch.randn(1, n, cfg.hidden_size, generator=g)
+        hidden = torch.randn(1, n, cfg.hidden_size, generator=g)
         positions = torch.arange(start, start + n)[None]
         cos, sin = eagle.rope_tables(cfg, positions)
         got = eagle.draft_layer(ops, cfg, embeds, hidden, cos, sin, simple_mask(1, start, n), past_k, past_v, w)

@@ -7,16 +7,17 @@ output there predicts the token after that. So after every step that computed po
 — a prompt chunk, or a verify step's committed positions (the last token and the drafts kept) — `advance` runs the
 draft over those n pairs, writing its own cache at those positions; `propose` then runs it k − 1 more times on its
 own output (its pre-norm hidden fed back, the drafted token embedded) and gives the k tokens, mapped to target ids
-(d2t), its cache left at the committed positions. Every call runs all its sequences as one batch (caches and
-chunks padded under one mask). The Llama layout keeps keys and values per KV head; the MLA layout its latent rows,
-its attention the target's own (graphs/blocks.attention, absorbed or decompressed by T). The cache rolls back by length, never by copying: a
-step that starts at s drops everything from s on first (rejected drafts, a preempted sequence recomputing).
+(d2t), its cache left at the committed positions. Every call runs all its sequences as one batch (caches and chunks
+padded under one mask). The Llama layout keeps keys and values per KV head; the MLA layout its latent rows, its
+attention the target's own (graphs/blocks.attention, absorbed or decompressed by T). The cache rolls back by length,
+never by copying: a step that starts at s drops everything from s on first (rejected drafts, a preempted sequence
+recomputing).
 
 A prefix-cache hit restores the draft's cache over the pages reused from the pages the draft kept as sequences
-filled them (`keep_pages` / `restore`, keyed by the page's key and the token after it, since the draft's last position
-on a page read the next page's first token); where one is missing the sequence proposes nothing (verification
-stays exact either way). Proposals are argmax (a one-hot q), so the
-verify step's sampling (speculation.py) keeps the target's distribution.
+filled them (`keep_pages` / `restore`, keyed by the page's key and the token after it, since the draft's last
+position on a page read the next page's first token); where one is missing the sequence proposes nothing
+(verification stays exact either way). Proposals are argmax (a one-hot q), so the verify step's sampling
+(speculation.py) keeps the target's distribution.
 """
 
 from __future__ import annotations

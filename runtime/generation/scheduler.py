@@ -398,7 +398,8 @@ class Scheduler(BatchScheduler):
                 self._ops += self.layout.promote(r)
                 r.feed, r.fed, r.resuming = r.prompt, len(r.prompt), False
         if aux is not None:
-            self._advance_drafts([(r, r.cached - len(t), len(t), aux[b]) for b, (r, t) in enumerate(zip(reqs, tokens))])
+            self._advance_drafts([(r, r.cached - len(t), len(t), aux[b])
+                                  for b, (r, t) in enumerate(zip(reqs, tokens))])
 
     def _decode_step(self, reqs: list[Request]) -> None:
         speculate = self.speculation is not None and self.spec_policy.allow()

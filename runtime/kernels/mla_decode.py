@@ -14,8 +14,8 @@ Flash-decoding, in two kernels:
      query-major as q lies in memory, BLOCK_M at a time — against one split of its context: the sequence's
      pages are dealt out in equal runs over the splits (graphs/mla_ref.split_partials_reference; runs of
      steps where a step spans pages), so one long sequence fills the GPU as well as many short ones. Each
-     block of BLOCK_N positions (32 by default: half a page) is read once for all BLOCK_M rows — MLA's single latent head is what makes a page worth reading once for every head
-     — with an online softmax (running max and sum in fp32, base 2). Out: the split's running max, sum and
+     block of BLOCK_N positions (32 by default: half a page) is read once for all BLOCK_M rows — MLA's single
+     latent head is what makes a page worth reading once for every head — with an online softmax (running max and sum in fp32, base 2). Out: the split's running max, sum and
      unnormalized weighted sum of c (fp32), or, with one split, o itself;
   2. merge_kernel, grid (B · Q · H): rescales the splits' partials to their common max and divides once.
 
