@@ -17,8 +17,8 @@ from k2trt.runtime.generation.generator import Generator
 from k2trt.runtime.generation.limits import Limits
 from k2trt.runtime.generation.sampling import SamplingParams
 from k2trt.runtime.generation.scheduler import Request, Scheduler
-from k2trt.runtime.generation.speculation import (DraftBackoff, SpecCounters, SpeculativeConfig, SpeedPolicy,
-                                                  ngram_proposal)
+from k2trt.runtime.generation.speculation import (DraftBackoff, DraftLength, SpecCounters, SpeculativeConfig,
+                                                  SpeedPolicy, ngram_proposal)
 from k2trt.runtime.text.text_stream import StopRules
 
 TINY = K2Config.preset("tiny")
@@ -45,6 +45,20 @@ def test_a_request_that_stops_agreeing_backs_off_and_comes_back_when_it_agrees()
     assert [b.ready() for _ in range(3)] == [False, False, True]
     b.verified(2)
     assert b.ready() and b.misses == 0
+
+
+def test_draft_positions_seldom_kept_stop_being_proposed_and_are_probed_again():
+    """A draft kept only at its first position: k shrinks to 1 (each later position widened every verify row for
+    nothing) and is tried whole every PROBE_STEPS steps, so a draft that starts agreeing gets its k back."""
+    dl = DraftLength()
+    assert dl.k(3) == 3  # nothing measured: the configured k
+    for _ in range(40):
+        dl.observe(3, 1)
+    ks = [dl.k(3) for _ in range(2 * DraftLength.PROBE_STEPS)]
+    assert ks.count(3) == 2 and set(ks) == {1, 3}
+    for _ in range(40):
+        dl.observe(3, 3)
+    assert dl.k(3) == 3 and dl.k(5) == 5  # kept again; positions never measured count as kept
 
 
 def test_speculation_pauses_where_it_is_slower_and_tries_again():

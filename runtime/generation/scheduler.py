@@ -43,7 +43,8 @@ from k2trt.runtime.generation.interfaces import BatchScheduler, Executor
 from k2trt.runtime.generation.limits import ContextTooLong, Limits, RequestError
 from k2trt.runtime.cache.pages import PagePool, page_keys, pages_for
 from k2trt.runtime.generation.sampling import DEFAULTS, SamplingParams
-from k2trt.runtime.generation.speculation import DraftBackoff, SpecCounters, SpeculativeConfig, SpeedPolicy
+from k2trt.runtime.generation.speculation import (DraftBackoff, DraftLength, SpecCounters, SpeculativeConfig,
+                                                  SpeedPolicy)
 from k2trt.runtime.generation.step import DECODE, PREFILL, Admit, Drop, Move, Park, Release, SlotOp, StepPlan, Swap
 from k2trt.runtime.generation.timings import Timings
 from k2trt.runtime.text.text_stream import NO_STOPS, StopRules, TextStream
@@ -205,6 +206,7 @@ class Scheduler(BatchScheduler):
             executor.aux_layers = drafter.aux_layers
         self.spec_counters = SpecCounters()
         self.spec_policy = SpeedPolicy()
+        self.draft_length = DraftLength()
         self.waiting: deque[Request] = deque()
         self.layout = SlotLayout()
         self.pool = PagePool(limits.cache_pages, limits.page_tokens, prefix_cache, parts=limits.cache_parts)
@@ -417,6 +419,7 @@ class Scheduler(BatchScheduler):
             if d:
                 self.spec_counters.add(len(d), len(toks) - 1)
                 r.backoff.verified(len(toks) - 1)
+                self.draft_length.observe(len(d), len(toks) - 1)
             before = r.cached
             r.cached += len(toks)  # its last token and the drafts kept: the rest of what it wrote is overwritten
             if r.cached // pt > before // pt:
@@ -456,7 +459,8 @@ class Scheduler(BatchScheduler):
         """The draft tokens each decoding request proposes this step, as many as its token budget, the context and
         the pages it holds or can take now allow (an EAGLE-3 draft proposes for all of them in one batch)."""
         spec = self.speculation
-        rooms = [min(r.max_new_tokens - len(r.token_ids) - 1, self.limits.max_context - r.cached - 1)
+        k = self.draft_length.k(spec.num_speculative_tokens)  # the positions still kept often enough
+        rooms = [min(r.max_new_tokens - len(r.token_ids) - 1, self.limits.max_context - r.cached - 1, k)
                  if r.backoff.ready() else 0 for r in reqs]
         if self.drafter is not None:
             asks = [(r.id, min(room, spec.num_speculative_tokens)) for r, room in zip(reqs, rooms)]

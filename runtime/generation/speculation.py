@@ -18,7 +18,7 @@ without speculation draws, seeded ones included (executor.StageExecutor.sample).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -178,3 +178,32 @@ class SpeedPolicy:
         else:
             self.plain_rate = rate if self.plain_rate is None else \
                 self.plain_rate + self.SMOOTHING * (rate - self.plain_rate)
+
+
+@dataclass
+class DraftLength:
+    """How many drafts a step proposes, measured: the rate at which draft position i is kept (a moving average over
+    verify steps that proposed it), and k the longest run of positions from the first whose rates stay at least
+    MIN_RATE — a position seldom kept only widens every verify row (each computes as many positions as its widest).
+    Every PROBE_STEPS steps one step proposes the configured k again, so a rate that recovered is seen."""
+    rates: list[float] = field(default_factory=list)  # per draft position; a new one starts at 1 (optimistic)
+    steps: int = 0
+    MIN_RATE = 0.1
+    SMOOTHING = 0.1
+    PROBE_STEPS = 32
+
+    def k(self, most: int) -> int:
+        """The drafts to propose this step, at most `most` (the configured num_speculative_tokens)."""
+        self.steps += 1
+        if self.steps % self.PROBE_STEPS == 0:
+            return most
+        k = 0
+        while k < most and (k >= len(self.rates) or self.rates[k] >= self.MIN_RATE):
+            k += 1
+        return max(k, 1)
+
+    def observe(self, proposed: int, kept: int) -> None:
+        """One verify row: `proposed` drafts, the first `kept` of them kept."""
+        self.rates += [1.0] * (proposed - len(self.rates))
+        for i in range(proposed):
+            self.rates[i] += self.SMOOTHING * (float(i < kept) - self.rates[i])
