@@ -310,10 +310,12 @@ def test_generate_json_reports_the_accepted_length(tiny_ckpt, tiny_export, capsy
 
 
 @pytest.mark.slow
-def test_the_server_speculates_with_the_same_text_and_counts_it(tiny_ckpt, tiny_export):
-    """serve --speculative-config: the text of a greedy and a seeded completion (streamed too) and of a greedy and a
-    seeded chat under a json_schema grammar equals the plain server's, and /metrics has vLLM's speculative-decoding
-    counters."""
+def test_the_server_speculates_with_the_same_text_and_counts_it(tiny_ckpt, tiny_export, tmp_path):
+    """serve --speculative-config, prompt lookup and an EAGLE-3 draft: the text of a greedy and a seeded completion
+    (streamed too) and of a greedy and a seeded chat under a json_schema grammar equals the plain server's, and
+    /metrics has vLLM's speculative-decoding counters."""
+    from k2trt.tiny.draft import make_tiny_draft
+
     import httpx
     from servers import HANG_S, InProcessServer, metric
 
@@ -340,14 +342,16 @@ def test_the_server_speculates_with_the_same_text_and_counts_it(tiny_ckpt, tiny_
 
     with InProcessServer(tiny_ckpt, tiny_export) as s:
         plain = answers(s)
-    with InProcessServer(tiny_ckpt, tiny_export, "--speculative-config",
-                         '{"method": "ngram", "num_speculative_tokens": 4}') as s:
-        assert answers(s) == plain
-        drafts = metric(s.url, "k2trt:spec_decode_num_drafts_total")
-        proposed = metric(s.url, "k2trt:spec_decode_num_draft_tokens_total")
-        accepted = metric(s.url, "k2trt:spec_decode_num_accepted_tokens_total")
-        assert proposed >= drafts >= 0 and accepted <= proposed
-        assert "k2trt:spec_decode_num_drafts_total" in httpx.get(s.url + "/metrics", timeout=HANG_S).text
+    draft = make_tiny_draft(tmp_path / "draft", "llama")
+    for config in ('{"method": "ngram", "num_speculative_tokens": 4}',
+                   json.dumps({"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3})):
+        with InProcessServer(tiny_ckpt, tiny_export, "--speculative-config", config) as s:
+            assert answers(s) == plain, config
+            drafts = metric(s.url, "k2trt:spec_decode_num_drafts_total")
+            proposed = metric(s.url, "k2trt:spec_decode_num_draft_tokens_total")
+            accepted = metric(s.url, "k2trt:spec_decode_num_accepted_tokens_total")
+            assert proposed >= drafts >= 0 and accepted <= proposed
+            assert "k2trt:spec_decode_num_drafts_total" in httpx.get(s.url + "/metrics", timeout=HANG_S).text
 
 
 @pytest.mark.slow
