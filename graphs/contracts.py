@@ -250,6 +250,21 @@ MOE_DOWN_INT4 = NodeContract(
 MOE_INT4_STAGES = (MOE_ALIGN, MOE_GATE_UP_INT4, MOE_DOWN_INT4, MOE_COMBINE)
 
 # ---- paged MLA attention: the cache read where it lies ------------------------------------------------------
+# The ports and attributes the two nodes and their TensorRT stages (MLA_STAGES, below) share.
+
+_KV_POOL = Port("kv_pool", ACTIVATION_DTYPES, "[rows, L + R]",
+                "the layer's pool: rows of normalized latent + k_pe, read in place")
+_KV_SCALE = Port("kv_scale", ("float32",), "[1]", "the pool's scale (1 unless the pool is fp8)")
+_PAGE_TABLE = Port("page_table", ("int32",), "[B, max_pages]", "each sequence's pages in position order")
+_CTX_LENS = Port("ctx_lens", ("int32",), "[B]", "positions already in the pool")
+_LATENT_NEW = Port("latent_new", ACTIVATION_DTYPES, "[B, T, L + R]", "this step's rows (the block's own)")
+_N_NEW = Port("n_new", ("int32",), "[B]", "real rows of latent_new (≤ T)")
+_SOFTMAX_SCALE = Attribute("softmax_scale", "float", None, "the model's: qk_head_dim^-0.5, times YaRN's mscale²")
+_PAGE_TOKENS = Attribute("page_tokens", "int", None, "positions per page (runtime/cache/pages.PAGE_TOKENS)")
+_LATENT = Attribute("latent_dim", "int", None, "L, kv_lora_rank (the rest of a row is the rope key)")
+_HEADS = Attribute("heads", "int", None, "H")
+_SHAPE_ATTRIBUTES = (_HEADS, Attribute("nope_dim", "int", None, "nope, qk_nope_head_dim"),
+                     Attribute("rope_dim", "int", None, "R, qk_rope_head_dim"), Attribute("v_head_dim", "int", None, "v"))
 
 MLA_PAGED_DECODE = NodeContract(
     op_type="MlaPagedDecode",
@@ -259,20 +274,10 @@ MLA_PAGED_DECODE = NodeContract(
          "attends to the context and step rows 0..j: o_lat = Σ softmax(q_full · row · softmax_scale) · row[:L], "
          "scores and softmax in float32; queries j ≥ n_new[b] get 0. The pool is read where it lies, never copied; "
          "the runtime writes latent_new into it after the block."),
-    inputs=(
-        Port("q_full", ACTIVATION_DTYPES, "[B, T, H, L + R]", "q_nope · W_uk, then the rotated q_pe"),
-        Port("kv_pool", ACTIVATION_DTYPES, "[rows, L + R]", "the layer's pool: rows of normalized latent + k_pe"),
-        Port("page_table", ("int32",), "[B, max_pages]", "each sequence's pages in position order"),
-        Port("ctx_lens", ("int32",), "[B]", "positions already in the pool"),
-        Port("latent_new", ACTIVATION_DTYPES, "[B, T, L + R]", "this step's rows (the block's own)"),
-        Port("n_new", ("int32",), "[B]", "real rows of latent_new (≤ T)"),
-    ),
+    inputs=(Port("q_full", ACTIVATION_DTYPES, "[B, T, H, L + R]", "q_nope · W_uk, then the rotated q_pe"),
+            _KV_POOL, _PAGE_TABLE, _CTX_LENS, _LATENT_NEW, _N_NEW),
     outputs=(Port("o_lat", ACTIVATION_DTYPES, "[B, T, H, L]", "same dtype as q_full"),),
-    attributes=(
-        Attribute("softmax_scale", "float", None, "the model's: qk_head_dim^-0.5, times YaRN's mscale²"),
-        Attribute("page_tokens", "int", None, "positions per page (runtime/cache/pages.PAGE_TOKENS)"),
-        Attribute("latent_dim", "int", None, "L, kv_lora_rank (the rest of a row is the rope key)"),
-    ),
+    attributes=(_SOFTMAX_SCALE, _PAGE_TOKENS, _LATENT),
     tensorrt="expanded into MlaDecodeSplit → MlaDecodeMerge by export/split_attention.py",
 )
 MLA_PAGED_PREFILL = NodeContract(
@@ -281,25 +286,12 @@ MLA_PAGED_PREFILL = NodeContract(
          "MlaPagedDecode has them: every position's latent through kv_b into its key's nope part and its value per "
          "head (rounded to the activation dtype), beside the shared rope key; query j < n_new[b] attends to the "
          "context and step rows 0..j, scores and softmax in float32; queries j ≥ n_new[b] get 0."),
-    inputs=(
-        Port("q", ACTIVATION_DTYPES, "[B, T, H, nope + R]", "q_nope, then the rotated q_pe"),
-        Port("kv_pool", ACTIVATION_DTYPES, "[rows, L + R]", "the layer's pool"),
-        Port("page_table", ("int32",), "[B, max_pages]"),
-        Port("ctx_lens", ("int32",), "[B]", "positions already in the pool"),
-        Port("latent_new", ACTIVATION_DTYPES, "[B, T, L + R]", "this step's rows (the block's own)"),
-        Port("n_new", ("int32",), "[B]", "real rows of latent_new (≤ T)"),
-        Port("kv_b", ACTIVATION_DTYPES, "[H · (nope + v), L]", "kv_b_proj: per head its W_uk rows, then its W_uv rows"),
-    ),
+    inputs=(Port("q", ACTIVATION_DTYPES, "[B, T, H, nope + R]", "q_nope, then the rotated q_pe"),
+            _KV_POOL, _PAGE_TABLE, _CTX_LENS, _LATENT_NEW, _N_NEW,
+            Port("kv_b", ACTIVATION_DTYPES, "[H · (nope + v), L]",
+                 "kv_b_proj: per head its W_uk rows, then its W_uv rows")),
     outputs=(Port("o", ACTIVATION_DTYPES, "[B, T, H, v]", "same dtype as q"),),
-    attributes=(
-        Attribute("softmax_scale", "float", None, "the model's: qk_head_dim^-0.5, times YaRN's mscale²"),
-        Attribute("page_tokens", "int", None, "positions per page (runtime/cache/pages.PAGE_TOKENS)"),
-        Attribute("latent_dim", "int", None, "L, kv_lora_rank"),
-        Attribute("heads", "int", None, "H"),
-        Attribute("nope_dim", "int", None, "nope, qk_nope_head_dim"),
-        Attribute("rope_dim", "int", None, "R, qk_rope_head_dim"),
-        Attribute("v_head_dim", "int", None, "v"),
-    ),
+    attributes=(_SOFTMAX_SCALE, _PAGE_TOKENS, _LATENT, *_SHAPE_ATTRIBUTES),
     tensorrt="expanded into MlaDecompress → MlaAttend by export/split_attention.py",
 )
 PAGED = (MLA_PAGED_DECODE, MLA_PAGED_PREFILL)
@@ -310,18 +302,7 @@ PAGED = (MLA_PAGED_DECODE, MLA_PAGED_PREFILL)
 # activation dtype (the graphs' pools; an fp8 pool is the kernels' other form). S: the decode's context splits,
 # a function of B, T and max_pages (runtime/tensorrt/plugins.decode_splits).
 
-_POOL_PORTS = (
-    Port("kv_pool", ACTIVATION_DTYPES, "[rows, L + R]", "the layer's pool, read in place"),
-    Port("kv_scale", ("float32",), "[1]", "the pool's scale (1 unless the pool is fp8)"),
-    Port("page_table", ("int32",), "[B, max_pages]"),
-    Port("ctx_lens", ("int32",), "[B]", "positions already in the pool"),
-)
-_SOFTMAX_SCALE = Attribute("softmax_scale", "float", None, "the model's: qk_head_dim^-0.5, times YaRN's mscale²")
-_PAGE_TOKENS = Attribute("page_tokens", "int", None, "positions per page (runtime/cache/pages.PAGE_TOKENS)")
-_LATENT = Attribute("latent_dim", "int", None, "L, kv_lora_rank")
-_HEADS = Attribute("heads", "int", None, "H")
-_SHAPE_ATTRIBUTES = (_HEADS, Attribute("nope_dim", "int", None, "nope"), Attribute("rope_dim", "int", None, "R"),
-                     Attribute("v_head_dim", "int", None, "v"))
+_POOL_PORTS = (_KV_POOL, _KV_SCALE, _PAGE_TABLE, _CTX_LENS)
 
 MLA_DECODE_SPLIT = NodeContract(
     op_type="MlaDecodeSplit",
@@ -329,9 +310,7 @@ MLA_DECODE_SPLIT = NodeContract(
          "splits; split s attends its run (the last split also the step's rows) as MlaPagedDecode does and leaves "
          "its partial softmax: m, the running max of the scores in base 2 (score · softmax_scale · log2 e; -1e30 "
          "for an empty split), l = Σ 2^(score − m), acc = Σ 2^(score − m) · row[:L], all float32."),
-    inputs=(Port("q_full", ACTIVATION_DTYPES, "[B, T, H, L + R]"), *_POOL_PORTS,
-            Port("latent_new", ACTIVATION_DTYPES, "[B, T, L + R]", "this step's rows"),
-            Port("n_new", ("int32",), "[B]", "real rows of latent_new (≤ T)")),
+    inputs=(Port("q_full", ACTIVATION_DTYPES, "[B, T, H, L + R]"), *_POOL_PORTS, _LATENT_NEW, _N_NEW),
     outputs=(Port("part_acc", ("float32",), "[B, T, H, S, L]"), Port("part_ml", ("float32",), "[B, T, H, S, 2]",
                                                                       "(m, l) per split")),
     attributes=(_SOFTMAX_SCALE, _PAGE_TOKENS, _LATENT, _HEADS),
@@ -351,8 +330,7 @@ MLA_DECOMPRESS = NodeContract(
          "table, then latent_new[b, :n_new[b]]) through kv_b: kv[b, p] = row_p[:L] · kv_bᵀ (· kv_scale for pool "
          "rows), accumulated in float32 and rounded to the activation dtype; rows past a sequence's positions are "
          "not written (MlaAttend never reads them)."),
-    inputs=(*_POOL_PORTS, Port("n_new", ("int32",), "[B]"), Port("latent_new", ACTIVATION_DTYPES, "[B, T, L + R]"),
-            Port("kv_b", ACTIVATION_DTYPES, "[H · (nope + v), L]")),
+    inputs=(*_POOL_PORTS, _N_NEW, _LATENT_NEW, Port("kv_b", ACTIVATION_DTYPES, "[H · (nope + v), L]")),
     outputs=(Port("kv", ACTIVATION_DTYPES, "[B, max_pages · page_tokens + T, H · (nope + v)]",
                   "per head its key's nope part, then its value"),),
     attributes=(_PAGE_TOKENS, _LATENT, *_SHAPE_ATTRIBUTES),
@@ -362,8 +340,7 @@ MLA_ATTEND = NodeContract(
     doc=("Stage 2 of MlaPagedPrefill: causal attention per head over the decompressed rows, the rope key read from "
          "the pool (or latent_new) where it lies: query j < n_new[b] sees positions ≤ ctx_lens[b] + j; scores and "
          "softmax in float32; o in the activation dtype, 0 for queries j ≥ n_new[b]."),
-    inputs=(Port("q", ACTIVATION_DTYPES, "[B, T, H, nope + R]"), *_POOL_PORTS, Port("n_new", ("int32",), "[B]"),
-            Port("latent_new", ACTIVATION_DTYPES, "[B, T, L + R]"),
+    inputs=(Port("q", ACTIVATION_DTYPES, "[B, T, H, nope + R]"), *_POOL_PORTS, _N_NEW, _LATENT_NEW,
             Port("kv", ACTIVATION_DTYPES, "[B, P, H · (nope + v)]", "as MlaDecompress writes it")),
     outputs=(Port("o", ACTIVATION_DTYPES, "[B, T, H, v]"),),
     attributes=(_SOFTMAX_SCALE, _PAGE_TOKENS, _LATENT, *_SHAPE_ATTRIBUTES),
