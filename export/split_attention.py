@@ -22,12 +22,11 @@ them into the pool after the block — no output aliases the pool.
 
 from __future__ import annotations
 
-import copy
-
 import onnx
 from onnx import helper
 
-from k2trt.export.onnx_ops import dims, plugin_attributes, value_types
+from k2trt.export.node_expansion import NodeExpansion
+from k2trt.export.onnx_ops import dims
 from k2trt.graphs import contracts
 
 SPLITS_DIM = "S"  # the decode's context splits, as the value annotations name it
@@ -38,20 +37,7 @@ def _attrs(node: onnx.NodeProto) -> dict:
             if a.name not in ("plugin_namespace", "plugin_version")}
 
 
-class _Split:
-    def __init__(self, model: onnx.ModelProto):
-        self.model = copy.deepcopy(model)
-        self.types = value_types(self.model)
-        self.nodes: list[onnx.NodeProto] = []
-        self.value_info: list[onnx.ValueInfoProto] = []
-
-    def stage(self, contract: contracts.NodeContract, name: str, inputs: list[str], outputs: list, **attrs):
-        names = [o if isinstance(o, str) else o[0] for o in outputs]
-        self.nodes.append(helper.make_node(contract.op_type, inputs, names, name=name, domain=contracts.NAMESPACE,
-                                           **plugin_attributes(), **attrs))
-        self.value_info += [helper.make_tensor_value_info(*o) for o in outputs if not isinstance(o, str)]
-        return names
-
+class _Split(NodeExpansion):
     def kv_scale(self, p: str) -> str:
         name = p + "kv_scale"
         self.nodes.append(helper.make_node("Constant", [], [name], name=name, value=helper.make_tensor(
@@ -88,18 +74,8 @@ class _Split:
         self.stage(contracts.MLA_ATTEND, p + "attend", [q, pool, scale, table, lens, n_new, new, kv],
                    list(node.output), **a)
 
-    def run(self) -> onnx.ModelProto:
-        expand = {contracts.MLA_PAGED_DECODE.op_type: self.decode, contracts.MLA_PAGED_PREFILL.op_type: self.prefill}
-        for node in self.model.graph.node:
-            if node.domain == contracts.NAMESPACE and node.op_type in expand:
-                expand[node.op_type](node)
-            else:
-                self.nodes.append(node)
-        g = self.model.graph
-        del g.node[:]
-        g.node.extend(self.nodes)
-        g.value_info.extend(self.value_info)
-        return self.model
+    def expansions(self):
+        return {contracts.MLA_PAGED_DECODE.op_type: self.decode, contracts.MLA_PAGED_PREFILL.op_type: self.prefill}
 
 
 def split_attention(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -23,12 +23,11 @@ INT4 experts never need them: K2-Thinking's stacked packed gate is 384 x 2048 x 
 
 from __future__ import annotations
 
-import copy
-
 import onnx
 from onnx import helper
 
-from k2trt.export.onnx_ops import dims, plugin_attributes, value_types
+from k2trt.export.node_expansion import NodeExpansion
+from k2trt.export.onnx_ops import dims
 from k2trt.graphs import contracts
 
 
@@ -64,13 +63,10 @@ def pairs_dim(token_dims: list, k: int) -> str:
     return "*".join(str(v) for v in [*token_dims, k] if v != 1)
 
 
-class _Split:
+class _Split(NodeExpansion):
     def __init__(self, model: onnx.ModelProto, parts: int = 1):
-        self.model = copy.deepcopy(model)
-        self.types = value_types(self.model)
+        super().__init__(model)
         self.parts = parts
-        self.nodes: list[onnx.NodeProto] = []
-        self.value_info: list[onnx.ValueInfoProto] = []
         self.ranged_inputs: dict[str, list[onnx.ValueInfoProto]] = {}  # stacked input -> its range inputs
 
     def op(self, op_type: str, inputs: list[str], output: str, **attrs) -> str:
@@ -89,15 +85,6 @@ class _Split:
         vi = helper.make_tensor_value_info(ranged, t.elem_type, [stop - first] + dims(t)[1:])
         self.ranged_inputs.setdefault(name, []).append(vi)
         return ranged
-
-    def stage(self, contract: contracts.NodeContract, name: str, inputs: list[str], outputs: list, **attrs):
-        """One stage node. A new output is (value name, element type, shape), annotated so shape inference
-        continues past it; a plain name is a value annotated already (the MoeFp8 node's own output)."""
-        names = [o if isinstance(o, str) else o[0] for o in outputs]
-        self.nodes.append(helper.make_node(contract.op_type, inputs, names, name=name, domain=contracts.NAMESPACE,
-                                           **plugin_attributes(), **attrs))
-        self.value_info += [helper.make_tensor_value_info(*o) for o in outputs if not isinstance(o, str)]
-        return names
 
     def expand(self, node: onnx.NodeProto) -> None:
         if self.parts > 1:
@@ -181,25 +168,16 @@ class _Split:
                                  [(p + "pair_out", act, [n, d])], group_size=group)
         self.stage(contracts.MOE_COMBINE, p + "combine", [pair_out, wts], list(node.output))
 
-    def run(self) -> onnx.ModelProto:
-        for node in self.model.graph.node:
-            if node.domain == contracts.NAMESPACE and node.op_type == contracts.MOE_FP8.op_type:
-                self.expand(node)
-            elif node.domain == contracts.NAMESPACE and node.op_type == contracts.MOE_INT4.op_type:
-                self.expand_int4(node)
-            else:
-                self.nodes.append(node)
-        g = self.model.graph
-        del g.node[:]
-        g.node.extend(self.nodes)
-        g.value_info.extend(self.value_info)
+    def expansions(self):
+        return {contracts.MOE_FP8.op_type: self.expand, contracts.MOE_INT4.op_type: self.expand_int4}
+
+    def finish(self, g: onnx.GraphProto) -> None:
         if self.ranged_inputs:  # each stacked expert input becomes its range inputs, in place
             inputs = []
             for vi in g.input:
                 inputs += self.ranged_inputs.get(vi.name, [vi])
             del g.input[:]
             g.input.extend(inputs)
-        return self.model
 
 
 def split_moe(model: onnx.ModelProto, expert_ranges: int = 1) -> onnx.ModelProto:
