@@ -18,10 +18,12 @@ The writer (k2trt/checkpoint_writer.py) holds one shard at a time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 from k2trt.atomic import atomic_write_text, remove_temporaries, temporary_name
 from k2trt.checkpoint_writer import write_checkpoint
@@ -74,27 +76,37 @@ def make_tiny(out_dir: str | Path, seed: int = 0, config: K2Config | None = None
     cfg = config or K2Config.preset(preset)
     if kv_lora_rank is not None:
         cfg = with_kv_lora_rank(cfg, kv_lora_rank)
+    with building(out_dir, "k2trt make-tiny", force) as tmp:
+        others = vision_tensors(cfg, seed) if cfg.layout == "k2.5" else None
+        write_checkpoint(tmp, cfg, synthetic_tensors(cfg, seed), n_shards, others)
+        if others:
+            _add_vision_config(tmp / "config.json")
+        _write_config_code(tmp, cfg)
+        write_tiny_tokenizer(tmp, num_base_tokens=cfg.vocab_size - NUM_RESERVED_SPECIAL, flavor=flavor)
+    return Path(out_dir)
+
+
+@contextlib.contextmanager
+def building(out_dir: str | Path, who: str, force: bool) -> Iterator[Path]:
+    """The directory to write out_dir's files in: built in a hidden sibling and renamed into place at the end (plain
+    permissions), so an interrupted run leaves nothing half-written; the parent directory's writer lock keeps two
+    runs apart, and what a killed run left beside out_dir is removed first. An out_dir that is there and not empty
+    is replaced only with `force`."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with writer_lock(out.parent, "k2trt make-tiny"):
+    with writer_lock(out.parent, who):
         remove_temporaries(out.parent, target=out.name)
         if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
             raise K2Error(f"{out}: exists and is not empty (use --force to replace it)")
         tmp = temporary_name(out)
         tmp.mkdir()
         try:
-            others = vision_tensors(cfg, seed) if cfg.layout == "k2.5" else None
-            write_checkpoint(tmp, cfg, synthetic_tensors(cfg, seed), n_shards, others)
-            if others:
-                _add_vision_config(tmp / "config.json")
-            _write_config_code(tmp, cfg)
-            write_tiny_tokenizer(tmp, num_base_tokens=cfg.vocab_size - NUM_RESERVED_SPECIAL, flavor=flavor)
+            yield tmp
             _plain_permissions(tmp)
             _replace_dir(tmp, out)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp)
-    return out
 
 
 # config.json's auto_map names the config class K2's releases ship as code (K2Config.to_hf_dict); make-tiny writes

@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import torch
 
-from k2trt.atomic import atomic_write_text, remove_temporaries, temporary_name
+from k2trt.atomic import atomic_write_text
 from k2trt.config import K2Config
-from k2trt.dirlock import writer_lock
 from k2trt.draft_config import LAYER, LAYOUTS, DraftConfig
 from k2trt.errors import K2Error
 from k2trt.safetensors_io import save_file
+from k2trt.tiny.checkpoint import building
 
 DRAFT_FORMATS = ("llama", "mla", "speculators")  # make-tiny --draft
 
@@ -90,25 +89,12 @@ def tiny_draft_tensors(cfg: DraftConfig, form: str, seed: int) -> dict[str, torc
 
 def make_tiny_draft(out_dir: str | Path, form: str = "llama", target: K2Config | None = None, seed: int = 0,
                     *, force: bool = False) -> Path:
-    """Write the tiny target's draft in `form` to out_dir (built beside it and renamed into place, as make_tiny)."""
+    """Write the tiny target's draft in `form` to out_dir (built beside it and renamed into place:
+    checkpoint.building)."""
     cfg, raw = tiny_draft_config(target or K2Config.preset("tiny"), form)
     if cfg.layout not in LAYOUTS:
         raise K2Error(f"unknown draft layout {cfg.layout}")
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with writer_lock(out.parent, "k2trt make-tiny --draft"):
-        remove_temporaries(out.parent, target=out.name)
-        if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-            raise K2Error(f"{out}: exists and is not empty (use --force to replace it)")
-        tmp = temporary_name(out)
-        tmp.mkdir()
-        try:
-            save_file(tiny_draft_tensors(cfg, form, seed), tmp / "model.safetensors")
-            atomic_write_text(tmp / "config.json", json.dumps(raw, indent=2) + "\n")
-            if out.exists():
-                shutil.rmtree(out)
-            tmp.rename(out)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-    return out
+    with building(out_dir, "k2trt make-tiny --draft", force) as tmp:
+        save_file(tiny_draft_tensors(cfg, form, seed), tmp / "model.safetensors")
+        atomic_write_text(tmp / "config.json", json.dumps(raw, indent=2) + "\n")
+    return Path(out_dir)
