@@ -42,6 +42,9 @@ def activation_io(cfg: K2Config, kind: str, act: str) -> tuple[list, list]:
     return [(n, *types[n]) for n in ins], [(n, *types[n]) for n in outs]
 
 
+PAGED_INPUTS = ("kv_pool", "page_table", "ctx_lens", "n_new")  # what an attention kind reads in place of the cache
+
+
 def paged_io(cfg: K2Config, kind: str, act: str) -> tuple[list, list]:
     """activation_io of an attention kind read in place: the gathered cache and its mask replaced by the layer's
     pool, the page tables, the context lengths and the step's new counts (the MlaPagedDecode node's inputs)."""
@@ -49,9 +52,9 @@ def paged_io(cfg: K2Config, kind: str, act: str) -> tuple[list, list]:
     if "latent_cache" not in [n for n, _, _ in ins]:
         raise ValueError(f"{kind} has no attention to page")
     kept = [i for i in ins if i[0] not in ("attention_mask", "latent_cache")]
-    paged = [("kv_pool", act, ["rows", cfg.latent_dim]), ("page_table", "int32", ["B", "pages"]),
-             ("ctx_lens", "int32", ["B"]), ("n_new", "int32", ["B"])]
-    return kept + paged, outs
+    types = {"kv_pool": (act, ["rows", cfg.latent_dim]), "page_table": ("int32", ["B", "pages"]),
+             "ctx_lens": ("int32", ["B"]), "n_new": ("int32", ["B"])}
+    return kept + [(n, *types[n]) for n in PAGED_INPUTS], outs
 
 
 def build_block_graph(cfg: K2Config, kind: str, act_dtype: str = "float32", activation_quant: int = 1,

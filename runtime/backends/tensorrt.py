@@ -284,7 +284,7 @@ class TrtBackend:
                   "ctx_lens": self._on_device(cache.ctx_lens, torch.int32),
                   "n_new": self._on_device(cache.n_new, torch.int32)}
         pages = inputs["page_table"].shape[1]
-        check_call_shape(self.spec, b, t, 1)
+        check_call_shape(self.spec, b, t)
         check_table_pages(self.spec, pages)
         return inputs, {"B": b, "T": t, "pages": pages, "rows": pool.shape[0]}
 
@@ -295,7 +295,7 @@ class TrtBackend:
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         b, t = input_ids.shape
-        check_call_shape(self.spec, b, t, t)
+        check_call_shape(self.spec, b, t)
         w = self.layer_weights("embedding", "embedding")
         ids = self._on_device(input_ids, torch.int64)
         out = self._outputs("embedding", {"B": b, "T": t})
@@ -319,7 +319,7 @@ class TrtBackend:
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         b, t = hidden.shape[:2]
-        check_call_shape(self.spec, b, t, t)
+        check_call_shape(self.spec, b, t)
         w = self.layer_weights("head", "head")
         out = self._outputs("head", {"B": b, "T": t})
         self._run("head", t, {"hidden_states": self._on_device(hidden, self.act_dtype)}, w, out)

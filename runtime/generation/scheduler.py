@@ -373,11 +373,14 @@ class Scheduler(BatchScheduler):
         return any(r is req for r in self.layout.order)
 
     def _publish(self, req: Request) -> None:
-        """Its full pages whose latents are written (prompt and generated tokens), for other requests to reuse —
-        as far as its tokens are known: a verify step's kept drafts are written before they are accepted."""
-        known = len(req.prompt) + len(req.token_ids)
-        keys = req.held_keys(self.pool.page_tokens, min(req.cached, known))
+        """Its full pages whose latents are written (prompt and generated tokens), for other requests to reuse."""
+        keys = self._written_keys(req)
         self.pool.publish(req.table, keys, len(keys))
+
+    def _written_keys(self, req: Request) -> list[bytes]:
+        """The keys of its full pages whose latents are written, as far as its tokens are known: a verify step's
+        kept drafts are written before they are accepted."""
+        return req.held_keys(self.pool.page_tokens, min(req.cached, len(req.prompt) + len(req.token_ids)))
 
     def _prefill_step(self, reqs: list[Request]) -> None:
         chunk = self._chunk_size(reqs)
@@ -449,11 +452,10 @@ class Scheduler(BatchScheduler):
             following = (req.prompt + req.token_ids)[start + 1:start + n + 1]
             items.append((req.id, start, following, aux[:len(following)]))
         self.drafter.advance_many(items)
-        pt = self.pool.page_tokens
-        for req, _, _, _ in rows:  # its full pages, for prefix hits of later requests (as _publish does)
+        for req, _, _, _ in rows:  # its full pages, for prefix hits of later requests (the pages _publish publishes)
             if not req.done and self.pool.prefix_cache:
-                tokens = req.prompt + req.token_ids
-                self.drafter.keep_pages(req.id, req.held_keys(pt, min(req.cached, len(tokens))), tokens, pt)
+                self.drafter.keep_pages(req.id, self._written_keys(req), req.prompt + req.token_ids,
+                                        self.pool.page_tokens)
 
     def _drafts(self, reqs: list[Request]) -> list[list[int]]:
         """The draft tokens each decoding request proposes this step, as many as its token budget, the context and

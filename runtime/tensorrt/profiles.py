@@ -212,12 +212,13 @@ def check_table_pages(spec: ProfileSpec, pages: int) -> None:
                       f"{spec.max_seq}); rebuild with a larger --max-seq or shorten the request")
 
 
-def check_call_shape(spec: ProfileSpec, batch: int, t: int, capacity: int) -> None:
-    """Refuse, before any GPU work, a call the engines were not built for."""
+def check_call_shape(spec: ProfileSpec, batch: int, t: int, capacity: int | None = None) -> None:
+    """Refuse, before any GPU work, a call the engines were not built for (capacity: a gathered cache's P, for a
+    graph that takes one; the paged engines' tables are check_table_pages')."""
     if not 1 <= batch <= spec.max_batch:
         raise K2Error(f"batch {batch} is outside the engines' range 1..{spec.max_batch} (rebuild with --max-batch)")
     if not 1 <= t <= spec.max_prefill:
         raise K2Error(f"{t} new positions exceed the engines' --max-prefill {spec.max_prefill}")
-    if not 1 <= capacity <= spec.max_capacity:
+    if capacity is not None and not 1 <= capacity <= spec.max_capacity:
         raise K2Error(f"cache capacity {capacity} exceeds the engines' --max-seq {spec.max_seq} "
                       "(rebuild with a larger --max-seq or shorten the request)")

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from k2trt.config import BLOCK_ACTIVATIONS
+from k2trt.export.block_graphs import PAGED_INPUTS
 from k2trt.graphs.blocks import PagedCache
 from k2trt.runtime.backends.contract import BackendWrapper
 from k2trt.runtime.generation.generator import Generator
@@ -89,9 +90,6 @@ class Recorder(BackendWrapper):
         self._keep("head", (hidden,), (out,))
         self.logits.append(_np(out[:, -1]))
         return out
-
-
-PAGED_INPUTS = ("kv_pool", "page_table", "ctx_lens", "n_new")  # export/block_graphs.paged_io's, in order
 
 
 def compact_pages(cache: PagedCache) -> tuple[torch.Tensor, ...]:

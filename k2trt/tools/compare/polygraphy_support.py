@@ -25,7 +25,7 @@ from polygraphy.logger import G_LOGGER
 from k2trt.config import BLOCK_ACTIVATIONS
 from k2trt.graphs.blocks import PagedCache
 from k2trt.runtime.cache.pages import PAGE_TOKENS
-from k2trt.tools.compare.golden import PAGED_INPUTS
+from k2trt.export.block_graphs import PAGED_INPUTS
 
 # Plain log lines: polygraphy otherwise prints a hint about the optional `colored` package to stdout.
 G_LOGGER.colors = False
