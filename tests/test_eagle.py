@@ -1,7 +1,8 @@
 """EAGLE-3 drafts proposing for the verify step, in one process (graphs/eagle.py, runtime/generation/eagle.py): the
 draft layer against transformers' own Llama pieces, the draft following its sequence by length (chunks, rollback,
 a gap), and generation with a draft giving the tokens of generation without one — greedy and seeded, on the torch
-reference and on ONNX Runtime — while its drafts are verified; what does not run yet is one line."""
+reference and on ONNX Runtime — while its drafts are verified; what cannot run is one line. Over pipeline stages and expert-parallel ranks the aux states travel to rank 0's
+draft (bit for bit, and as the tokens and the drafts kept show)."""
 
 from __future__ import annotations
 
@@ -163,19 +164,48 @@ def test_onnx_runtime_with_a_draft_gives_the_tokens_without_one(draft_dirs, tiny
     assert fast == plain and counters.num_drafts > 0
 
 
-def test_what_does_not_run_yet_is_one_line(draft_dirs):
+def test_what_cannot_run_is_one_line(draft_dirs):
     with pytest.raises(K2Error, match="needs its target's config"):
         EagleDrafter(load_draft(draft_dirs["mla"], TINY), None)
     spec = SpeculativeConfig(method="eagle3", model=str(draft_dirs["llama"]))
     from k2trt.runtime.backends.torch_reference import TorchBackend
 
-    stage = StageExecutor(TorchBackend(RandomWeights(TINY), "float32", 0), TINY, layers=[0, 1], last=False)
-    with pytest.raises(K2Error, match="eagle3 runs in one process for now"):
-        Scheduler(stage, TINY, Limits(max_context=64, max_batch=1, prefill_chunk=8), speculation=spec,
-                  drafter=_drafter(draft_dirs))
     with pytest.raises(K2Error, match="no draft was loaded"):
         Scheduler(StageExecutor(TorchBackend(RandomWeights(TINY), "float32", 0), TINY),
                   TINY, Limits(max_context=64, max_batch=1, prefill_chunk=8), speculation=spec)
+
+
+@pytest.mark.parametrize("splits", [[[0, 1, 2], [3]], [[0, 1], [2, 3]], [[0], [1, 2], [3]]],
+                         ids=["3+1", "2+2", "1+2+1"])
+def test_stages_carry_the_aux_states_down_to_the_last(splits):
+    """A pipeline's stages each keep the residual stream entering the aux layers they hold and pass on those kept
+    so far (each layer once): the last stage's aux states are one process's, bit for bit."""
+    from k2trt.runtime.backends.torch_reference import TorchBackend
+    from k2trt.runtime.generation.executor import carried_aux
+    from k2trt.runtime.generation.step import Admit, StepPlan
+
+    backend = TorchBackend(RandomWeights(TINY, seed=3), "float32", 0)
+    aux = (1, 2, 2, 3)  # a repeated layer, and aux layers on every stage of some splits
+    plan = StepPlan(first=0, tokens=[[5, 6, 7, 8, 9], [10, 11]], starts=[0, 0], sample=[True, True], rows=2,
+                    capacity=16, ops=[Admit(0, SamplingParams()), Admit(1, SamplingParams())], tables=[[0], [1]])
+    whole = StageExecutor(backend, TINY)
+    whole.aux_layers = aux
+    whole.run(plan)
+    expected = whole.take_aux()
+    assert expected.shape == (2, 5, len(aux) * TINY.hidden_size)
+    hidden = carried = None
+    for i, layers in enumerate(splits):
+        stage = StageExecutor(backend, TINY, layers, first=i == 0, last=i == len(splits) - 1)
+        stage.aux_layers = aux
+        stage.apply(plan)
+        st = stage.tensors(plan)
+        hidden = stage.run_layers(plan, st, stage.embed(st) if i == 0 else hidden, carried)
+        carried = stage.carry
+        if not stage.last:
+            width = len(carried_aux(aux, layers[-1] + 1)) * TINY.hidden_size
+            assert (carried.shape[-1] if carried is not None else 0) == width
+    assert torch.equal(stage.take_aux(), expected)
+    assert stage.take_aux() is None  # taken once
 
 
 @pytest.mark.slow
@@ -302,3 +332,53 @@ def test_a_prefix_hit_restores_the_drafts_cache(draft_dirs):
     assert hits == [128, 128]  # two full pages of each prompt reused
     assert c2.num_drafts > 0 and c2.num_drafts == c1.num_drafts  # proposing as much as the first time
     assert len(sched.drafter.pages) >= 4
+
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog", "Once upon a time"]
+
+
+@pytest.fixture(scope="module")
+def distilled_on_prompts(tiny_ckpt, draft_dirs, tmp_path_factory):
+    """The random Llama draft distilled (about 7 s) on the target's greedy continuations of PROMPTS: on them its
+    drafts are kept — if the aux states it reads are the target's."""
+    from k2trt.tools import distill_draft
+
+    out = tmp_path_factory.mktemp("distilled") / "draft"
+    args = ["--model", str(tiny_ckpt), "--draft", str(draft_dirs["llama"]), "--out", str(out), "--new-tokens", "24",
+            "--steps", "80"]
+    assert distill_draft.main(args + [a for p in PROMPTS for a in ("--prompt", p)]) == 0
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--pipeline", "2", "--stages", "3,1"], ["--expert-parallel", "2"],
+                                    ["--pipeline", "2", "--stages", "3,1", "--expert-parallel", "2"]],
+                         ids=["2-stages", "2-ep-ranks", "2-stages-x-2-ep-ranks"])
+def test_a_draft_over_stages_and_expert_parallel_ranks(tiny_ckpt, tiny_export, tiny_ep_exports, distilled_on_prompts,
+                                                       layout):
+    """The draft on rank 0, the aux states carried down the stages (layer 2 on the first, 3 on the second) and
+    sent from each column's last rank: the tokens of one process without a draft, and drafts kept — a draft that
+    read wrong aux states would propose noise (a random draft keeps none: test_a_distilled_draft_agrees...)."""
+    import contextlib
+    import io
+    import json
+    import subprocess
+    import sys
+
+    from k2trt.cli import main
+
+    onnx = tiny_ep_exports[2] if "--expert-parallel" in layout else tiny_export
+    base = ["generate", "--model", str(tiny_ckpt), "--json", "--max-new-tokens", "16", "--temperature", "0",
+            *[a for p in PROMPTS for a in ("--prompt", p)]]
+    spec = ["--speculative-config", json.dumps({"method": "eagle3", "model": str(distilled_on_prompts),
+                                                "num_speculative_tokens": 3})]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([*base, "--onnx", str(tiny_export)]) == 0
+    alone = [r["token_ids"] for r in json.loads(out.getvalue())["results"]]
+    r = subprocess.run([sys.executable, "-m", "k2trt.cli", *base, "--onnx", str(onnx), *layout, *spec],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    results = json.loads(r.stdout)["results"]
+    assert [x["token_ids"] for x in results] == alone
+    assert results[0]["speculative"]["num_accepted_tokens"] > 0, results[0]["speculative"]

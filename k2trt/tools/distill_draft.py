@@ -2,7 +2,8 @@
 briefly on a CPU — for measuring what an agreeing EAGLE-3 draft does here (acceptance, tokens per verify step)
 without a published one for the tiny model.
 
-The target generates greedy continuations of seeded random prompts through the runtime's own scheduler, with a
+The target generates greedy continuations of seeded random prompts (or of the texts given with --prompt, encoded as
+`generate --prompt` encodes them) through the runtime's own scheduler, with a
 recording drafter that proposes nothing: what it records is what a draft is trained on — each committed position's
 aux residual state and the token after it. The draft (a Llama-layout checkpoint, `make-tiny --draft llama`) is then
 trained teacher-forced, as it runs in `EagleDrafter.advance`: position p reads fc(aux_p) and the embedding of
@@ -52,8 +53,10 @@ class _Recorder:
         pass
 
 
-def collect(model: Path, draft_dir: Path, sequences: int, prompt_len: int, new_tokens: int, seed: int):
-    """(aux [N, L, 3H], next tokens [N, L]) of greedy continuations of seeded random prompts on the torch reference."""
+def collect(model: Path, draft_dir: Path, sequences: int, prompt_len: int, new_tokens: int, seed: int,
+            texts: list[str] | None = None):
+    """(aux [N, L, 3H], next tokens [N, L]) of greedy continuations on the torch reference: of seeded random
+    prompts, or of `texts` encoded by the checkpoint's tokenizer (each position up to the shortest's length)."""
     import random
 
     from k2trt.checkpoint import Checkpoint
@@ -68,14 +71,23 @@ def collect(model: Path, draft_dir: Path, sequences: int, prompt_len: int, new_t
     ckpt = Checkpoint.open(model)
     cfg = ckpt.config
     draft = load_draft(draft_dir, cfg)
+    if texts:
+        from k2trt.runtime.text.tokenizer import KimiTokenizer
+
+        tok = KimiTokenizer.from_dir(model)
+        prompts = [tok.encode(text) for text in texts]
+        if not all(prompts):
+            raise K2Error("--prompt: a prompt encodes to no tokens")
+    else:
+        rnd = random.Random(seed)
+        prompts = [[rnd.randrange(3, cfg.vocab_size) for _ in range(prompt_len)] for _ in range(sequences)]
+    longest = max(map(len, prompts))
     backend = TorchBackend(ckpt, "float32", 0)
     recorder = _Recorder(draft.config.aux_layer_ids)
-    limits = Limits(max_context=prompt_len + new_tokens + 8, max_batch=16, prefill_chunk=prompt_len)
+    limits = Limits(max_context=longest + new_tokens + 8, max_batch=16, prefill_chunk=longest)
     sched = Scheduler(StageExecutor(backend, cfg), cfg, limits, prefix_cache=False,
                       speculation=SpeculativeConfig(method="eagle3", model=str(draft_dir)), drafter=recorder)
-    rnd = random.Random(seed)
-    reqs = [sched.submit(Request([rnd.randrange(3, cfg.vocab_size) for _ in range(prompt_len)], new_tokens,
-                                 SamplingParams())) for _ in range(sequences)]
+    reqs = [sched.submit(Request(p, new_tokens, SamplingParams())) for p in prompts]
     sched.run_until_idle()
     length = min(len(recorder.seen[r.id]) for r in reqs)
     aux = torch.stack([torch.stack([a for a, _ in recorder.seen[r.id][:length]]) for r in reqs])
@@ -149,11 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=at_least(1), default=300)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1, help="of the prompts (spec_bench's are seed 0: keep them apart)")
+    p.add_argument("--prompt", action="append", default=None, metavar="TEXT",
+                   help="train on the continuation of this text instead of random prompts (repeat for several)")
     args = p.parse_args(argv)
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     t0 = time.perf_counter()
     draft, ckpt, aux, nxt = collect(args.model, args.draft, args.sequences, args.prompt_len, args.new_tokens,
-                                    args.seed)
+                                    args.seed, args.prompt)
     log(f"distill_draft: {nxt.numel()} positions of {nxt.shape[0]} greedy continuations "
         f"({time.perf_counter() - t0:.0f} s)")
     name = "model.embed_tokens.weight"

@@ -149,7 +149,6 @@ class ExpertParallelStage(StageExecutor):
     """A StageExecutor whose MoE layers run split at the dispatch, exchanging rows with the other ranks of its
     stage. `run_idle` is the part of a step for a rank none of whose sequences are in it: it still serves its
     experts to the others."""
-    captures_aux = False  # EAGLE-3 drafts run in one process for now
 
     def __init__(self, backend, cfg: K2Config, exchange: ExpertExchange, layers=None, first=True, last=True):
         super().__init__(backend, cfg, layers, first, last)

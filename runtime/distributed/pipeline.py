@@ -15,6 +15,11 @@ its rank at each stage keeps their cache for the stage's layers, its last rank s
      scheduler decides who stops; its decisions reach the ranks in a later plan (the slot operations), and a
      shutdown ends every rank.
 
+With an EAGLE-3 draft (its aux layers named in every step message) a stage keeps the residual stream entering
+each aux layer it holds, and sends those kept so far with its hidden state; the last rank of a column sends all of
+them to rank 0 after its ids, where the scheduler's draft runs (on the CPU: they go over the CPU group, as bytes of
+the activations' dtype).
+
 Messages are point to point, and each goes between the same two ranks in the same order on both sides (NCCL ignores
 tags: messages match by order), never in a cycle; sends are non-blocking (a blocking send waits for its receive, and
 rank 0 sends the next plans while the last ranks send ids back), and every receive is posted as soon as its size is
@@ -39,7 +44,7 @@ import torch.distributed as dist
 
 from k2trt.runtime.distributed.layout import Layout
 from k2trt.runtime.distributed.world import World
-from k2trt.runtime.generation.executor import StageClock, StageExecutor
+from k2trt.runtime.generation.executor import StageClock, StageExecutor, carried_aux
 from k2trt.runtime.generation.interfaces import Executor
 from k2trt.runtime.generation.step import (PageTables, StepLogprobs, StepPlan, is_decode, ops_from_json,
                                           ops_to_json)
@@ -68,13 +73,14 @@ def _plan_of(d: dict, tables: PageTables) -> StepPlan:
 @dataclass
 class StepMessage:
     """One rank's part of a step: its column's plan, numbered by micro-batch (`lane`), whether any rank of the step
-    has work (`active`: every rank of an expert-parallel stage then joins the exchanges) and whether it is a decode
-    step (TensorRT's profile for the experts)."""
+    has work (`active`: every rank of an expert-parallel stage then joins the exchanges), whether it is a decode
+    step (TensorRT's profile for the experts) and the layers whose incoming residual stream the draft reads."""
 
     lane: int
     plan: StepPlan
     active: bool
     decode: bool
+    aux: tuple[int, ...] = ()
 
 
 SHUTDOWN = b'{"shutdown": true}'
@@ -93,8 +99,8 @@ def publish_message(tag: str) -> bytes:
 
 def encode_message(m: StepMessage, tables: PageTables) -> bytes:
     """`tables`: what the receiving rank knows of its lane's page tables (kept by the sender, one per rank and lane)."""
-    return json.dumps({"lane": m.lane, "active": m.active, "decode": m.decode, "plan": _plan_dict(m.plan, tables)},
-                      separators=(",", ":")).encode()
+    return json.dumps({"lane": m.lane, "active": m.active, "decode": m.decode, "aux": list(m.aux),
+                       "plan": _plan_dict(m.plan, tables)}, separators=(",", ":")).encode()
 
 
 def decode_message(blob: bytes, tables: dict[int, PageTables]) -> StepMessage | Publish | None:
@@ -105,7 +111,7 @@ def decode_message(blob: bytes, tables: dict[int, PageTables]) -> StepMessage | 
     if "publish" in d:
         return Publish(d["publish"])
     return StepMessage(d["lane"], _plan_of(d["plan"], tables.setdefault(d["lane"], PageTables())), d["active"],
-                       d["decode"])
+                       d["decode"], tuple(d["aux"]))
 
 
 # ---- where this rank's messages come from and go ----------------------------------------------------------
@@ -238,6 +244,19 @@ class Transport:
     def expect_hidden(self, src: int, shape: tuple[int, ...], dtype: torch.dtype) -> Posted:
         return self._post(torch.empty(shape, dtype=dtype, device=self.device), src, self.world.device_group)
 
+    def send_aux(self, dst: int, aux: torch.Tensor) -> None:
+        """A column's aux states [B, T, A] to rank 0, whose draft runs on the CPU: over the CPU group, as the bytes
+        of their dtype (a bf16 tensor is half a float32 one; p2p moves bytes)."""
+        self._send(aux.detach().to("cpu").contiguous().view(-1).view(torch.uint8), dst, self.world.cpu_group)
+
+    def expect_aux(self, src: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Posted, tuple, torch.dtype]:
+        size = torch.Size(shape).numel() * dtype.itemsize
+        return self._post(torch.empty(size, dtype=torch.uint8), src, self.world.cpu_group), shape, dtype
+
+    def aux(self, expected: tuple[Posted, tuple, torch.dtype]) -> torch.Tensor:
+        posted, shape, dtype = expected
+        return self.wait(posted).view(dtype).reshape(shape)
+
     def send_ids(self, dst: int, ids: list, drafts: list[int]) -> None:
         """A column's sampled ids (at least one value travels: a column with no sequence in the step sends a
         placeholder); a verify row (drafts[b] > 0, speculation.py) sends the 1 to 1 + k tokens it kept, each row
@@ -273,6 +292,14 @@ def ids_width(drafts: list[int]) -> int:
 
 
 # ---- one rank's part of the steps ---------------------------------------------------------------------------
+
+@dataclass
+class Inbound:
+    """The posted receives of a step's input on a rank past the first stage: the hidden state, then the aux states
+    the stages before it kept (None without a draft, or where they hold no aux layer)."""
+
+    hidden: Posted
+    carry: Posted | None
 
 class StageRunner:
     """This rank's stage executors — one per micro-batch (`lane`), each with its own slots, cache and samplers, all
@@ -311,25 +338,34 @@ class StageRunner:
             self.step_s += time.perf_counter() - t0
             self.transfer_s += self.transport.seconds - moved
 
-    def step(self, m: StepMessage, blob: bytes, hidden: Posted | None = None) -> list[int | None] | None:
-        """This rank's part of one step (the message forwarded down its column first; `hidden`: the posted receive
-        of its input, on a rank past the first stage); -> the sampled ids of its column's sequences on a last-stage
-        rank of an active step, else None. The caller times it (`timing`)."""
-        return self._step(m, blob, hidden)
+    def step(self, m: StepMessage, blob: bytes, inbound: Inbound | None = None) -> list[int | None] | None:
+        """This rank's part of one step (the message forwarded down its column first; `inbound`: the posted
+        receives of its input, on a rank past the first stage); -> the sampled ids of its column's sequences on a
+        last-stage rank of an active step, else None. The caller times it (`timing`)."""
+        return self._step(m, blob, inbound)
 
-    def expect_hidden(self, m: StepMessage) -> Posted | None:
-        """The receive of the step's hidden state, where one comes (posted as soon as the plan is read)."""
+    def expect_hidden(self, m: StepMessage) -> Inbound | None:
+        """The receives of the step's hidden state and of the aux states carried with it, where they come (posted
+        as soon as the plan is read)."""
         if self.topology.first or not m.active or not m.plan.tokens:
             return None
-        plan = m.plan
-        return self.transport.expect_hidden(self.topology.previous, (plan.batch, plan.width, self.cfg.hidden_size),
-                                            self.backend.act_dtype)
+        plan, tr, src, d = m.plan, self.transport, self.topology.previous, self.cfg.hidden_size
+        hidden = tr.expect_hidden(src, (plan.batch, plan.width, d), self.backend.act_dtype)
+        carried = len(carried_aux(m.aux, self.stage(m.lane).layers[0]))
+        carry = (tr.expect_hidden(src, (plan.batch, plan.width, carried * d), self.backend.act_dtype)
+                 if carried else None)
+        return Inbound(hidden, carry)
 
-    def _step(self, m: StepMessage, blob: bytes, posted: Posted | None) -> list[int | None] | None:
+    def take_aux(self, m: StepMessage) -> torch.Tensor | None:
+        """A last-stage rank's aux states of the step (after `step`), where the draft reads them."""
+        return self.stage(m.lane).take_aux() if m.aux and m.plan.tokens else None
+
+    def _step(self, m: StepMessage, blob: bytes, inbound: Inbound | None) -> list[int | None] | None:
         topo, tr, plan = self.topology, self.transport, m.plan
         if topo.next is not None:
             tr.send_message(topo.next, blob)
         stage = self.stage(m.lane)
+        stage.aux_layers = m.aux
         stage.apply(plan)
         if not m.active:
             return None
@@ -338,11 +374,15 @@ class StageRunner:
                 stage.run_idle(m.decode)
             return [] if topo.last else None
         st = stage.tensors(plan)
-        hidden = stage.embed(st) if topo.first else tr.wait(posted)
-        hidden = stage.run_layers(plan, st, hidden)
+        hidden = stage.embed(st) if topo.first else tr.wait(inbound.hidden)
+        carried = tr.wait(inbound.carry) if inbound is not None and inbound.carry is not None else None
+        hidden = stage.run_layers(plan, st, hidden, carried)
         if topo.last:
             return stage.sample(plan, st, hidden)
         tr.send_hidden(topo.next, hidden)
+        if stage.carry is not None:  # after the hidden state, as the next rank posted them
+            tr.send_hidden(topo.next, stage.carry)
+            stage.carry = None
         return None
 
 
@@ -352,8 +392,8 @@ class PipelineExecutor(Executor):
 
     samples_here = False  # the last stage's ranks sample: no grammar or log-probabilities through a pipeline
     verifies_drafts = True  # a verify row's kept tokens come back with the ids
-    aux_layers = ()  # EAGLE-3 drafts run in one process only: rank 0 holds no layer's residual stream
-    captures_aux = False
+    captures_aux = True  # the columns' last ranks send them after their ids
+    aux_layers: tuple[int, ...] = ()  # set by an EAGLE-3 scheduler: named in every step message
 
     def __init__(self, world: World, runner: StageRunner, max_batch: int):
         if not world.first:
@@ -368,6 +408,7 @@ class PipelineExecutor(Executor):
         self.in_flight: deque = deque()
         self.clock: StageClock = runner.clock
         self.decode_steps = 0  # decode steps issued (bench: bytes moved per decode step)
+        self.aux: torch.Tensor | None = None  # the last completed step's aux states, in the scheduler's order
 
     @property
     def depth(self) -> int:
@@ -387,25 +428,46 @@ class PipelineExecutor(Executor):
         active, decode = bool(plan.tokens), is_decode(plan)
         self.decode_steps += decode
         sent = self.sent_tables.setdefault(lane, [PageTables() for _ in range(self.columns)])
-        blobs = [encode_message(StepMessage(lane, p, active, decode), sent[c]) for c, p in enumerate(plans)]
+        aux = tuple(self.aux_layers)
+        messages = [StepMessage(lane, p, active, decode, aux) for p in plans]
+        blobs = [encode_message(m, sent[c]) for c, m in enumerate(messages)]
         tr, topo = self.runner.transport, self.topology
-        # the ids' receives first: a column's last rank may send them before this rank asks
-        ids = [tr.expect_ids(topo.column_tail(c), plans[c].batch, plans[c].drafts)
-               if active and topo.column_tail(c) != 0 else None
-               for c in range(self.columns)]
+        # the ids' receives first (a column's last rank may send them before this rank asks), each column's aux
+        # states after its ids, as its last rank sends them
+        width = len(aux) * self.runner.cfg.hidden_size
+        ids, auxes = [], []
+        for c, p in enumerate(plans):
+            remote = active and topo.column_tail(c) != 0
+            ids.append(tr.expect_ids(topo.column_tail(c), p.batch, p.drafts) if remote else None)
+            auxes.append(tr.expect_aux(topo.column_tail(c), (p.batch, p.width, width), self.runner.backend.act_dtype)
+                         if remote and aux and p.tokens else None)
         for column in range(1, self.columns):
             tr.send_message(topo.column_head(column), blobs[column])
-        own = self.runner.step(StepMessage(lane, plans[0], active, decode), blobs[0])
-        self.in_flight.append((lane, plan, ids, own))
+        own = self.runner.step(messages[0], blobs[0])
+        own_aux = self.runner.take_aux(messages[0]) if topo.column_tail(0) == 0 else None
+        self.in_flight.append((lane, plan, ids, own, auxes, own_aux))
 
     def complete(self) -> tuple[int, list[int | None]]:
-        """The oldest step in flight: (its lane, the sampled id of each of its sequences)."""
+        """The oldest step in flight: (its lane, the sampled id of each of its sequences); its aux states, if it
+        has any, to take_aux."""
         with self.runner.timing():
-            lane, plan, expected, own = self.in_flight.popleft()
+            lane, plan, expected, own, auxes, own_aux = self.in_flight.popleft()
             if not plan.tokens:
                 return lane, []
-            ids = [own if e is None else self.runner.transport.ids(e) for e in expected]
+            tr = self.runner.transport
+            ids = [own if e is None else tr.ids(e) for e in expected]
+            if self.aux_layers:
+                parts = [own_aux if e is None else tr.aux(e) for e in auxes]
+                self.aux = parts[0] if self.columns == 1 else self._merge_rows(lane, plan, parts)
             return lane, ids[0] if self.columns == 1 else self.split_by_lane[lane].merge(plan, ids)
+
+    def _merge_rows(self, lane: int, plan: StepPlan, parts: list[torch.Tensor | None]) -> torch.Tensor:
+        """The columns' aux states [B_c, T_c, A] -> [B, T, A] in the scheduler's order (rows padded with zeros)."""
+        rows = self.split_by_lane[lane].merge(plan, [list(p) if p is not None else [] for p in parts])
+        out = torch.zeros(plan.batch, plan.width, rows[0].shape[-1], dtype=rows[0].dtype)
+        for b, row in enumerate(rows):
+            out[b, :row.shape[0]] = row
+        return out
 
     def run(self, plan: StepPlan) -> list[int | None]:
         self.issue(0, plan)
@@ -414,8 +476,9 @@ class PipelineExecutor(Executor):
     def take_logprobs(self) -> StepLogprobs:
         return StepLogprobs({}, {})
 
-    def take_aux(self):
-        return None
+    def take_aux(self) -> torch.Tensor | None:
+        out, self.aux = self.aux, None
+        return out
 
     def session_seconds(self) -> float | None:
         return self.runner.session_seconds()
@@ -464,3 +527,6 @@ def follow(runner: StageRunner, publish=lambda tag: None) -> StageRunner:
             ids = runner.step(m, blob, hidden)
             if ids is not None:
                 tr.send_ids(0, ids, m.plan.drafts)
+                aux = runner.take_aux(m)
+                if aux is not None:
+                    tr.send_aux(0, aux)

@@ -126,9 +126,6 @@ class LoadedModel:
             return MicroBatchScheduler(self.executor, self.config, limits, self.micro_batches, prefix_cache)
         from k2trt.runtime.generation.eagle import make_drafter
 
-        if speculation is not None and speculation.method == "eagle3" and self.executor is not None:
-            raise K2Error("--speculative-config eagle3 runs in one process for now (not over pipeline stages, "
-                          "expert-parallel ranks or micro-batches); prompt lookup (ngram) runs over them")
         return Scheduler(self.executor or StageExecutor(self.backend, self.config), self.config, limits, prefix_cache,
                          speculation, make_drafter(speculation, self.config, self.backend.weights))
 

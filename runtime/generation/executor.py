@@ -27,6 +27,12 @@ from k2trt.runtime.generation.step import (Admit, RopeTable, StepLogprobs, StepP
                                           step_tensors)
 
 
+def carried_aux(aux_layers, before: int) -> list[int]:
+    """The distinct aux layers below layer `before`, in order: what a stage starting there receives from the
+    stages before it (layers are split into stages in order; an aux layer is one whose input is kept)."""
+    return sorted({i for i in aux_layers if i < before})
+
+
 @dataclass
 class StageClock:
     backend_s: float = 0.0  # inside the backend's embed/block/head calls
@@ -35,11 +41,8 @@ class StageClock:
 class StageExecutor(Executor):
     samples_here = True  # the stage with the head samples (a pipeline's last stage; every stage of one process)
     verifies_drafts = True
-    aux_layers: tuple[int, ...] = ()  # set by an EAGLE-3 scheduler (runtime/generation/eagle.py)
-
-    @property
-    def captures_aux(self) -> bool:
-        return self.first and self.last and len(self.layers) == self.cfg.num_hidden_layers
+    captures_aux = True  # a pipeline's stages carry theirs down to the last (runtime/distributed/pipeline.py)
+    aux_layers: tuple[int, ...] = ()  # set by an EAGLE-3 scheduler (runtime/generation/eagle.py), or by the step
 
     def __init__(self, backend: Backend, cfg: K2Config, layers: list[int] | None = None,
                  first: bool = True, last: bool = True):
@@ -56,7 +59,8 @@ class StageExecutor(Executor):
         self.rope = RopeTable(cfg)
         self.clock = StageClock()
         self.logprobs = StepLogprobs({}, {})
-        self.aux: torch.Tensor | None = None
+        self.aux: torch.Tensor | None = None  # the last stage's: every aux layer, in aux_layers' order
+        self.carry: torch.Tensor | None = None  # another stage's: what it passes on (carried_aux)
 
     # ---- slot bookkeeping ------------------------------------------------------------------------------
     def apply(self, plan: StepPlan) -> None:
@@ -84,14 +88,27 @@ class StageExecutor(Executor):
         self.clock.backend_s += time.perf_counter() - t0
         return h
 
-    def run_layers(self, plan: StepPlan, st: StepTensors, hidden: torch.Tensor) -> torch.Tensor:
+    def run_layers(self, plan: StepPlan, st: StepTensors, hidden: torch.Tensor,
+                   carried: torch.Tensor | None = None) -> torch.Tensor:
+        """This stage's layers over the step. With aux_layers set, the residual stream entering each of them is
+        kept: `carried` holds those of the stages before (carried_aux, concatenated), and the stage leaves all of
+        them in `aux` if it is the last, else what the next stage is to carry in `carry`."""
         captured = {}
+        if carried is not None:
+            before = carried_aux(self.aux_layers, self.layers[0])
+            captured = dict(zip(before, carried.split(self.cfg.hidden_size, dim=-1)))
         for layer in self.layers:
             if layer in self.aux_layers:  # a copy: a backend may reuse the buffer it returned
-                captured[layer] = hidden.float().clone()
+                captured[layer] = hidden.clone()
             hidden = self.run_block(layer, plan, st, hidden)
-        if self.aux_layers and all(i in captured for i in self.aux_layers):
-            self.aux = torch.cat([captured[i] for i in self.aux_layers], dim=-1)
+        if self.aux_layers:
+            wanted = self.aux_layers if self.last else carried_aux(self.aux_layers, self.layers[-1] + 1)
+            missing = [i for i in wanted if i not in captured]
+            if missing:
+                raise ValueError(f"aux layers {missing} reached the stage of layers {self.layers} uncarried")
+            parts = [captured[i] for i in wanted]
+            joined = torch.cat(parts, dim=-1) if parts else None
+            self.aux, self.carry = (joined, None) if self.last else (None, joined)
         return hidden
 
     def take_aux(self) -> torch.Tensor | None:

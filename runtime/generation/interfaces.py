@@ -28,7 +28,7 @@ class Executor(Protocol):
     clock: "StageClock"  # time inside the backend's calls (a pipeline's: rank 0's)
     verifies_drafts: bool  # whether a step may carry drafts to verify and give back each verify row's kept tokens
     aux_layers: tuple[int, ...]  # target layers whose incoming residual stream take_aux gives (an EAGLE-3 draft's)
-    captures_aux: bool  # whether take_aux can give them: one process holding every layer
+    captures_aux: bool  # whether take_aux can give them (a micro-batch lane's cannot)
 
     def run(self, plan: "StepPlan") -> list[int | None]:
         """Apply the plan's slot operations and run its step: -> the sampled id of each sequence (None where it
@@ -40,8 +40,8 @@ class Executor(Protocol):
         ...
 
     def take_aux(self) -> "torch.Tensor | None":
-        """The last step's residual stream entering each of aux_layers, concatenated [B, T, len · hidden]
-        float32 (None: no aux_layers, or a process that does not hold every layer)."""
+        """The last step's residual stream entering each of aux_layers, concatenated [B, T, len · hidden] in the
+        activations' dtype (None: no aux_layers)."""
         ...
 
     def session_seconds(self) -> float | None:

@@ -201,8 +201,7 @@ class Scheduler(BatchScheduler):
             if drafter is None:
                 raise K2Error("--speculative-config eagle3: no draft was loaded")
             if not executor.captures_aux:
-                raise K2Error("--speculative-config eagle3 runs in one process for now (not over pipeline stages, "
-                              "expert-parallel ranks or micro-batches); prompt lookup (ngram) runs over them")
+                raise K2Error("--speculative-config eagle3: this executor does not give the target's aux states")
             executor.aux_layers = drafter.aux_layers
         self.spec_counters = SpecCounters()
         self.spec_policy = SpeedPolicy()
