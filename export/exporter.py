@@ -13,9 +13,10 @@ from k2trt.export import manifest_writer as M
 from k2trt.config import BLOCK_KINDS, MOE_PART_KINDS, check_expert_parallel, expert_range
 from k2trt.export.block_graphs import activation_io, build_block_graph, paged_io
 from k2trt.export.checks import check_onnx, check_trt_operators
+from k2trt.export.draft_graphs import DRAFT_KINDS, build_draft_graph, draft_forms, draft_io
 from k2trt.export.lower_ort import lower_for_ort
 from k2trt.export.onnx_ops import weight_prep
-from k2trt.export.trt_form import attends, engine_name, engine_names, forms, tensorrt_graph
+from k2trt.export.trt_form import PREFILL_SUFFIX, attends, engine_name, engine_names, forms, tensorrt_graph
 from k2trt.graphs.fp8 import PER_TOKEN_GROUP, WEIGHT_DEQUANT
 
 
@@ -47,24 +48,52 @@ def export_kind(cfg: K2Config, out: Path, kind: str, act_dtype: str, activation_
     return entries
 
 
+def draft_graph_keys(draft_cfg) -> list[str]:
+    """The manifest keys of a draft's graphs: each TensorRT form (export/draft_graphs.py), then ONNX Runtime's."""
+    trt = [f"trt/{kind}" + (PREFILL_SUFFIX if form == "prefill" else "")
+           for kind in DRAFT_KINDS for form in draft_forms(draft_cfg, kind)]
+    return trt + [f"ort/{kind}" for kind in DRAFT_KINDS]
+
+
+def export_draft(draft, cfg: K2Config, out: Path, act_dtype: str) -> dict[str, dict]:
+    """An EAGLE-3 draft's graphs, both forms, checked and written; -> {manifest key: graph entry}. They compute
+    with the draft's bf16 weights as given (no FP8): the W8A16 convention's mode number."""
+    entries = {}
+    for kind in DRAFT_KINDS:
+        acts = {name for name, _, _ in draft_io(draft.config, cfg, kind, act_dtype)[0]}
+        for form in draft_forms(draft.config, kind):
+            key = f"trt/{kind}" + (PREFILL_SUFFIX if form == "prefill" else "")
+            model = build_draft_graph(draft, cfg, kind, act_dtype, branches=False, large=form == "prefill")
+            check_onnx(model, key)
+            check_trt_operators(model, key)
+            entries[key] = M.write_graph(out, key, kind, "tensorrt", model, weight_prep(model), WEIGHT_DEQUANT, acts)
+        model = lower_for_ort(build_draft_graph(draft, cfg, kind, act_dtype, branches=True), act_dtype)
+        check_onnx(model, f"ort/{kind}")
+        entries[f"ort/{kind}"] = M.write_graph(out, f"ort/{kind}", kind, "onnxruntime", model, weight_prep(model),
+                                               WEIGHT_DEQUANT, acts)
+    return entries
+
+
 def export(cfg: K2Config, out: Path, act_dtype: str = "float32", activation_quant: int = PER_TOKEN_GROUP,
-           force: bool = False, log=print, expert_ranges: int = 1, expert_parallel: int = 1) -> dict:
+           force: bool = False, log=print, expert_ranges: int = 1, expert_parallel: int = 1,
+           draft=None) -> dict:
     """Write trt/<kind>.onnx, ort/<kind>.onnx and manifest.json under `out`; returns the manifest. Kinds whose
     graphs are up to date (same config, dtype, mode, expert ranges, expert parallelism and exporter code) are kept.
     The TensorRT form of a kind with attention reads the layer's pool in place and comes as two graphs,
     trt/<kind> (decode: attention absorbed) and trt/<kind>.prefill (attention decompressed): export/trt_form.py.
     expert_ranges > 1: the TensorRT form's routed experts in that many ranges of weight inputs
     (export/split_moe.py). expert_parallel E > 1: also the MoE block's parts for E expert-parallel ranks
-    (config.MOE_PART_KINDS), the experts graph holding 1/E of the routed experts."""
+    (config.MOE_PART_KINDS), the experts graph holding 1/E of the routed experts. draft: a loaded EAGLE-3 draft
+    (k2trt/draft.py) whose graphs join the target's (export/draft_graphs.py; the manifest's "draft" names it)."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise K2Error(f"--out {out} exists and is not a directory")
     with writing(out, "k2trt export"):  # one export at a time into a directory; a killed one's temporaries go
-        return _export(cfg, out, act_dtype, activation_quant, force, log, expert_ranges, expert_parallel)
+        return _export(cfg, out, act_dtype, activation_quant, force, log, expert_ranges, expert_parallel, draft)
 
 
 def _export(cfg: K2Config, out: Path, act_dtype: str, activation_quant: int, force: bool, log,
-            expert_ranges: int = 1, expert_parallel: int = 1) -> dict:
+            expert_ranges: int = 1, expert_parallel: int = 1, draft=None) -> dict:
     if not 1 <= expert_ranges <= cfg.n_routed_experts:
         raise K2Error(f"--expert-ranges must be 1..{cfg.n_routed_experts}, got {expert_ranges}")
     check_expert_parallel(cfg, expert_parallel)
@@ -84,7 +113,21 @@ def _export(cfg: K2Config, out: Path, act_dtype: str, activation_quant: int, for
         trt_entry = written[keys[0]]
         log(f"[{i}/{len(kinds)}] {kind}: {trt_entry['nodes']} nodes, {len(trt_entry['weights'])} weight inputs "
             f"({time.perf_counter() - t0:.1f}s)")
-    manifest = M.make_manifest(cfg, act_dtype, activation_quant, graphs, expert_ranges, expert_parallel)
+    draft_entry = None
+    if draft is not None:
+        draft_entry = {"fingerprint": draft.config.fingerprint(), "layout": draft.config.layout,
+                       "aux_layer_ids": list(draft.config.aux_layer_ids)}
+        keys = draft_graph_keys(draft.config)
+        if (not force and previous and previous.get("draft") == draft_entry
+                and all(M.entry_is_current(out, previous["graphs"].get(k)) for k in keys)):
+            graphs.update({k: previous["graphs"][k] for k in keys})
+            log(f"draft ({draft.config.layout} layout): up to date")
+        else:
+            t0 = time.perf_counter()
+            graphs.update(export_draft(draft, cfg, out, act_dtype))
+            log(f"draft ({draft.config.layout} layout): {len(keys)} graphs ({time.perf_counter() - t0:.1f}s)")
+    manifest = M.make_manifest(cfg, act_dtype, activation_quant, graphs, expert_ranges, expert_parallel,
+                               draft_entry)
     M.write_manifest(out, manifest)
     parts = f" and the MoE block's parts for {expert_parallel} expert-parallel ranks" if expert_parallel > 1 else ""
     log(f"exported {len(BLOCK_KINDS)} block kinds{parts} to {out} in {time.perf_counter() - t_all:.1f}s")

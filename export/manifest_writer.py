@@ -24,7 +24,8 @@ from k2trt.dtypes import BY_ONNX
 # The modules whose code decides what the graphs contain: a change to any of them makes old graphs stale.
 GRAPH_SOURCES = ("k2trt.dtypes", "k2trt.graphs.blocks", "k2trt.graphs.contracts", "k2trt.graphs.weights",
                  "k2trt.graphs.weight_prep", "k2trt.export.onnx_ops", "k2trt.export.block_graphs",
-                 "k2trt.export.lower_ort", "k2trt.export.split_moe", "k2trt.export.checks", "k2trt.export.exporter")
+                 "k2trt.export.lower_ort", "k2trt.export.split_moe", "k2trt.export.checks", "k2trt.export.exporter",
+                 "k2trt.graphs.eagle", "k2trt.export.draft_graphs")
 
 
 @functools.lru_cache(maxsize=1)
@@ -70,7 +71,7 @@ def write_graph(out: Path, key: str, kind: str, form: str, model: onnx.ModelProt
 
 
 def make_manifest(cfg: K2Config, act_dtype: str, activation_quant: int, graphs: dict,
-                  expert_ranges: int = 1, expert_parallel: int = 1) -> dict:
+                  expert_ranges: int = 1, expert_parallel: int = 1, draft: dict | None = None) -> dict:
     layers = {kind: [] for kind in BLOCK_KINDS}
     for i in range(cfg.num_hidden_layers):
         layers[cfg.layer_kind(i)].append(i)
@@ -91,6 +92,7 @@ def make_manifest(cfg: K2Config, act_dtype: str, activation_quant: int, graphs: 
         "dims": DIMS,
         "layers": layers,
         "graphs": graphs,
+        **({"draft": draft} if draft is not None else {}),  # an EAGLE-3 draft's graphs are among them
     }
 
 

@@ -4,6 +4,9 @@ ids are normalized."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +64,11 @@ class DraftConfig:
                    first_k_dense_replace=1, rope_scaling=self.rope_scaling,
                    max_position_embeddings=self.max_position_embeddings or target.max_position_embeddings)
         return K2Config.from_hf_dict(raw, "the draft's attention (config.json)")
+
+    def fingerprint(self) -> str:
+        """A short hash of every field: a draft's exported graphs record it (they depend on nothing else of it)."""
+        blob = json.dumps(dataclasses.asdict(self), sort_keys=True, default=list).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor a draft of this config must hold (names as normalized), and its shape."""

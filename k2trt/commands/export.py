@@ -36,6 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "`--expert-parallel E` at run time")
     p.add_argument("--graphs-only", action="store_true",
                    help="do not validate the checkpoint's tensors against the config (graphs never hold weights)")
+    p.add_argument("--draft", default=None, metavar="DIR",
+                   help="also export this EAGLE-3 draft's graphs (fc, its decoder layer, head), for "
+                        "--speculative-config eagle3 on the exported graphs: a directory or owner/name in the HF "
+                        "cache, read against the target")
     p.add_argument("--force", action="store_true", help="re-export even if the graphs are up to date")
 
 
@@ -48,6 +52,11 @@ def run(args) -> int:
             Checkpoint.open(args.model).validate()
     else:
         cfg = K2Config.preset(args.preset)
+    draft = None
+    if args.draft is not None:
+        from k2trt.draft import load_draft
+
+        draft = load_draft(args.draft, cfg)
     export(cfg, args.out, args.dtype, ACT_QUANT[args.activation_quant], force=args.force,
-           expert_ranges=args.expert_ranges, expert_parallel=args.expert_parallel)
+           expert_ranges=args.expert_ranges, expert_parallel=args.expert_parallel, draft=draft)
     return 0

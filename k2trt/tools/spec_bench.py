@@ -33,7 +33,7 @@ def _generator(backend, cfg, limits, spec):
     from k2trt.runtime.generation.eagle import make_drafter
 
     ex = StageExecutor(backend, cfg)
-    drafter = make_drafter(spec, cfg, backend.weights)  # eagle3: the draft, following every sequence
+    drafter = make_drafter(spec, cfg, backend.weights, backend)  # eagle3: the draft, following every sequence
     return Generator(backend, cfg, limits, ex, Scheduler(ex, cfg, limits, speculation=spec, drafter=drafter))
 
 

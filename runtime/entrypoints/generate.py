@@ -79,6 +79,8 @@ def run(args) -> int:
                                     "num_draft_tokens": c.num_draft_tokens,
                                     "num_accepted_tokens": c.num_accepted_tokens,
                                     "mean_accepted_length": c.mean_accepted_length}}
+            if gen.scheduler.drafter is not None:  # an EAGLE-3 draft's pieces: its exported graphs, or its math
+                spec["speculative"]["draft_runs_on"] = gen.scheduler.drafter.runner.name
         objs = [{"backend": loaded.backend.name, "prompt_token_ids": r.prompt_ids, "token_ids": r.token_ids,
                  "text": r.text, "finish_reason": r.finish_reason, "cached_tokens": r.cached_tokens, "timings": t,
                  **spec} for r in results]

@@ -127,7 +127,7 @@ class LoadedModel:
         from k2trt.runtime.generation.eagle import make_drafter
 
         return Scheduler(self.executor or StageExecutor(self.backend, self.config), self.config, limits, prefix_cache,
-                         speculation, make_drafter(speculation, self.config, self.backend.weights))
+                         speculation, make_drafter(speculation, self.config, self.backend.weights, self.backend))
 
     @property
     def follower(self) -> bool:

@@ -1,5 +1,6 @@
-"""An EAGLE-3 draft proposing tokens for the scheduler's verify steps, in one process, on the torch reference's math
-(graphs/eagle.py) in float32.
+"""An EAGLE-3 draft proposing tokens for the scheduler's verify steps, on the process that schedules, its pieces
+computed by a draft runner (runtime/generation/draft_runners.py: the draft's exported graphs on ONNX Runtime, or its
+math in graphs/eagle.py on the torch reference), in float32.
 
 How a draft follows its sequence (vLLM's and SGLang's scheme): at position p it reads the target's residual stream
 entering the aux layers (Executor.take_aux, through `fc`) and the embedding of the token that followed p, and its
@@ -31,7 +32,7 @@ from k2trt.draft import Draft
 from k2trt.errors import K2Error
 from k2trt.graphs import eagle, rope
 from k2trt.graphs.mask import attention_mask
-from k2trt.graphs.ops import TorchOps
+from k2trt.runtime.generation.draft_runners import TorchDraftRunner, draft_runner
 
 
 @dataclass
@@ -55,20 +56,16 @@ PAGE_STORE = 1024  # draft cache pages kept for prefix hits (least recently stor
 
 
 class EagleDrafter:
-    def __init__(self, draft: Draft, target_embedding: torch.Tensor | None, target: K2Config | None = None):
+    def __init__(self, draft: Draft, target_embedding: torch.Tensor | None, target: K2Config | None = None,
+                 runner=None):
         self.cfg = cfg = draft.config
         self.mla = cfg.layout == "mla"
         if self.mla and target is None:
             raise K2Error(f"{draft.root}: an MLA-layout draft needs its target's config")
         self.attn_cfg = cfg.attention_config(target) if self.mla else None
         self.axis = 1 if self.mla else 2
-        self.w = {name: t.float() for name, t in draft.tensors.items() if t.dtype.is_floating_point}
-        embed = draft.tensors.get("embed_tokens.weight", target_embedding)
-        if embed is None:
-            raise K2Error(f"{draft.root}: the draft shares the target's embedding, and none was given")
-        self.embed = embed.float()
+        self.runner = runner or TorchDraftRunner(draft, target_embedding, target)
         self.target_ids = draft.target_ids
-        self.ops = TorchOps("float32")
         self.sequences: dict[object, _Sequence] = {}
         # (page key, the token after the page) -> the draft's cache over the page: the page key names the page's
         # tokens and all before them, and the draft's last position there also read the next page's first token
@@ -106,15 +103,9 @@ class EagleDrafter:
         query_pos = torch.tensor(starts)[:, None] + torch.arange(t)[None]
         key_pos = torch.cat([torch.arange(p).expand(b, p), query_pos], dim=1)
         mask = attention_mask(query_pos, key_pos, key_valid)
-        embeds = self.embed[torch.tensor([row + [0] * (t - len(row)) for row in tokens])]
-        if self.mla:
-            cos, sin = rope.rope_tables(self.attn_cfg, query_pos)
-            out, latent_new = eagle.draft_layer_mla(self.ops, self.cfg, self.attn_cfg, embeds, hidden, cos, sin,
-                                                    mask, padded[0], self.w)
-            return out, [latent_new]
-        cos, sin = eagle.rope_tables(self.cfg, query_pos)
-        out, k_new, v_new = eagle.draft_layer(self.ops, self.cfg, embeds, hidden, cos, sin, mask, *padded, self.w)
-        return out, [k_new, v_new]
+        ids = torch.tensor([row + [0] * (t - len(row)) for row in tokens])
+        cos, sin = rope.rope_tables(self.attn_cfg, query_pos) if self.mla else eagle.rope_tables(self.cfg, query_pos)
+        return self.runner.layer(ids, hidden, cos.float(), sin.float(), mask, padded)
 
     def advance(self, key, start: int, next_tokens: list[int], aux: torch.Tensor) -> None:
         """The target computed positions start .. start + n − 1 of sequence `key` and committed them; next_tokens[i]
@@ -140,11 +131,11 @@ class EagleDrafter:
         aux = torch.zeros(len(run), t, run[0][2].shape[-1])
         for i, (_, tokens, a) in enumerate(run):
             aux[i, :len(tokens)] = a
-        hidden = eagle.draft_fc(self.ops, self.cfg, aux, self.w)
+        hidden = self.runner.fc(aux)
         out, news = self._layer([s.parts for s, _, _ in run], [tok for _, tok, _ in run], hidden,
                                 [s.length for s, _, _ in run])
         last = torch.stack([out[i, len(tokens) - 1] for i, (_, tokens, _) in enumerate(run)])[:, None]  # [B, 1, H]
-        logits = eagle.draft_head(self.ops, self.cfg, last, self.w)
+        logits = self.runner.head(last)
         for i, (seq, tokens, _) in enumerate(run):
             seq.parts = [torch.cat([part, new[i:i + 1].narrow(self.axis, 0, len(tokens))], dim=self.axis)
                          for part, new in zip(seq.parts, news)]
@@ -178,7 +169,7 @@ class EagleDrafter:
             out, news = self._layer(past, [[tok] for tok in drafted], out, starts)
             past = [[torch.cat([part, new[b:b + 1]], dim=self.axis) for part, new in zip(parts, news)]
                     for b, parts in enumerate(past)]
-            logits = eagle.draft_head(self.ops, self.cfg, out, self.w)
+            logits = self.runner.head(out)
         return result
 
     def forget(self, key) -> None:
@@ -215,9 +206,10 @@ class EagleDrafter:
         self.sequences[key] = seq
 
 
-def make_drafter(speculation, cfg, weights) -> EagleDrafter | None:
+def make_drafter(speculation, cfg, weights, backend=None) -> EagleDrafter | None:
     """The drafter a --speculative-config asks for (None unless eagle3): the draft loaded for the target config,
-    the target's embedding shared where the draft has none."""
+    the target's embedding shared where the draft has none, run on the target backend's exported graphs where
+    they hold the draft's (draft_runners.draft_runner)."""
     if speculation is None or speculation.method != "eagle3":
         return None
     from k2trt.draft import load_draft
@@ -225,4 +217,4 @@ def make_drafter(speculation, cfg, weights) -> EagleDrafter | None:
     draft = load_draft(speculation.model, cfg)
     name = "model.embed_tokens.weight"
     embedding = None if not draft.shares_embedding else weights.globals([name])[name]
-    return EagleDrafter(draft, embedding, cfg)
+    return EagleDrafter(draft, embedding, cfg, draft_runner(draft, embedding, cfg, backend))
