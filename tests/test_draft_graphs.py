@@ -179,3 +179,109 @@ def test_export_and_generate_with_a_draft_from_the_command_line(tiny_ckpt, tmp_p
     assert main(["export", "--model", str(tiny_ckpt), "--out", str(out), "--draft", str(tmp_path)]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "error" in err[0], err
+
+
+# ---- the draft's TensorRT engines --------------------------------------------------------------------------
+
+class _GraphAsEngine:
+    """A draft engine as TensorRT runs it, computing with the trt/ graph it is built from (float32, no plugins) on
+    ONNX Runtime, and checking each call as TensorRT does: IExecutionContext::setInputShape refuses a shape outside
+    the selected optimization profile's [min, max] (NvInferRuntime.h; the profile is the runtime's choice by T,
+    profiles.profile_index), enqueue needs an address for every input (NvInferRuntime.h: "all input tensors ...
+    must have their addresses set"), and an input of another dtype than the engine's is no tensor of it."""
+
+    def __init__(self, entry: dict, path, calls: list):
+        import onnxruntime as ort
+
+        from k2trt.dtypes import torch_dtype
+
+        self.entry, self.calls = entry, calls
+        self.dtypes = {i["name"]: torch_dtype(i["dtype"]) for i in entry["inputs"] + entry["outputs"]}
+        self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+    def run(self, t: int, inputs: dict, weights: dict, outputs: dict) -> None:
+        from k2trt.runtime.tensorrt.profiles import Profile, profile_index
+
+        profile = Profile.from_dict(self.entry["profiles"][profile_index(t)])
+        for name, x in inputs.items():
+            r = profile.shapes.get(name)
+            if r is not None and not all(lo <= d <= hi for lo, d, hi in zip(r.min, x.shape, r.max)):
+                raise RuntimeError(f"setInputShape({name}, {tuple(x.shape)}) outside [{r.min}, {r.max}]")
+            if x.dtype != self.dtypes[name]:
+                raise RuntimeError(f"{name} is {x.dtype}, the engine takes {self.dtypes[name]}")
+        unbound = {i["name"] for i in self.entry["inputs"]} - set(inputs) - set(weights)
+        if unbound:
+            raise RuntimeError(f"enqueue with no address for {sorted(unbound)}")
+        self.calls.append(self.entry["kind"] + (".prefill" if self.entry["file"].endswith(".prefill.engine")
+                                                else ""))
+        feeds = {n: v.contiguous().numpy() for n, v in {**inputs, **weights}.items()}
+        for o, value in zip(self.entry["outputs"], self.session.run(None, feeds)):
+            out = outputs[o["name"]]
+            assert tuple(out.shape) == value.shape, (o["name"], tuple(out.shape), value.shape)
+            out.copy_(torch.from_numpy(value))
+
+
+def _trt_backend(out, calls):
+    """A TrtBackend over the draft's engines as `k2trt build` records them (engine manifest entries, profiles of a
+    small spec), each a _GraphAsEngine; its other parts need no GPU."""
+    from k2trt.runtime.backends.tensorrt import TrtBackend
+    from k2trt.runtime.engines.builder import draft_engine_names
+    from k2trt.runtime.tensorrt import engine_manifest as EM
+    from k2trt.runtime.tensorrt.profiles import ProfileSpec, graph_profiles
+
+    export_m = read_manifest(out)
+    be = TrtBackend.__new__(TrtBackend)
+    be.spec = ProfileSpec(max_batch=4, max_seq=256, max_prefill=128, opt_prefill=64, opt_seq=128)
+    be.device, be.act_dtype, be.cfg = torch.device("cpu"), torch.float32, TINY
+    be.engines = {}
+    for name in draft_engine_names(export_m):
+        graph = export_m["graphs"][f"trt/{name}"]
+        entry = EM.engine_entry(name.split(".")[0], graph, graph_profiles(be.spec, graph), f"{name}.engine",
+                                "0" * 64, {})
+        be.engines[name] = _GraphAsEngine(entry, out / graph["file"], calls)
+    be.manifest = {"draft": export_m["draft"], "engines": {k: e.entry for k, e in be.engines.items()}}
+    be._run = lambda engine, t, inputs, weights, outputs: be.engines[engine].run(t, inputs, weights, outputs)
+    return be
+
+
+@pytest.mark.parametrize("form", ["llama", "mla"])
+def test_the_drafter_on_tensorrt_engines_proposes_what_the_math_proposes(exported, form):
+    """The draft's engines through TrtDraftRunner: within their profiles (a first advance has no past: one masked
+    slot, since P starts at 1), the MLA layer's decompressed engine for a long chunk, and the proposals of the
+    draft's math."""
+    from k2trt.runtime.generation.draft_runners import draft_runner
+    from k2trt.runtime.generation.eagle import EagleDrafter
+
+    draft, out = exported[form]
+    emb = _embedding()
+    calls = []
+    be = _trt_backend(out, calls)
+    runner = draft_runner(draft, emb, TINY, be)
+    assert runner.name == "tensorrt"
+    on_engines, on_math = EagleDrafter(draft, emb, TINY, runner), EagleDrafter(draft, emb, TINY)
+    g = torch.Generator().manual_seed(4)
+    long = decompress_from(draft.config.attention_config(TINY)) if form == "mla" else 20
+    data = [(torch.randint(3, 1000, (n,), generator=g).tolist(), torch.randn(n, 3 * TINY.hidden_size, generator=g))
+            for n in (6, long + 2)]
+    for drafter in (on_engines, on_math):
+        drafter.advance_many([(key, 0, tokens[:-2], aux[:-2]) for key, (tokens, aux) in enumerate(data)])
+        drafter.advance_many([(key, len(tokens) - 2, tokens[-2:], aux[-2:]) for key, (tokens, aux) in enumerate(data)])
+    assert on_engines.propose_many([(0, 3), (1, 3)]) == on_math.propose_many([(0, 3), (1, 3)])
+    assert ("draft_layer.prefill" in calls) == (form == "mla")
+    with pytest.raises(RuntimeError, match="outside"):  # what the padding slot avoids
+        be.engines["draft_layer"].run(2, {"past_k" if form == "llama" else "latent_cache":
+                                          torch.zeros(1, 0) if form == "mla" else torch.zeros(1, 2, 0, 8)}, {}, {})
+
+
+def test_engines_without_the_draft_run_it_on_its_math_and_a_stale_one_is_refused(exported):
+    from k2trt.runtime.backends.tensorrt_draft import TrtDraftRunner
+    from k2trt.runtime.generation.draft_runners import draft_runner, draft_weights
+    from k2trt.errors import K2Error
+
+    draft, out = exported["llama"]
+    be = _trt_backend(out, [])
+    be.manifest = {"engines": be.manifest["engines"]}  # built from an export without --draft
+    assert draft_runner(draft, _embedding(), TINY, be).name == "torch"
+    del be.engines["draft_head"]
+    with pytest.raises(K2Error, match="no draft_head"):
+        TrtDraftRunner(be, draft, draft_weights(draft, _embedding()), TINY)

@@ -53,6 +53,7 @@ TOY_GRAPH = {
     ],
     "outputs": [{"name": "y", "dtype": "bfloat16", "shape": ["B", "T", 4]}],
     "weights": ["w"],
+    "prep": {},
 }
 TOY_SPEC = ProfileSpec(max_batch=4, max_seq=64, max_prefill=16, opt_batch=2, opt_prefill=8, opt_seq=32)
 
@@ -116,6 +117,23 @@ def test_profiles_of_the_expert_parallel_parts(tmp_path):
     assert combine.shapes["pair_out"].max == (8 * 2048 * 8, TINY.hidden_size)
     for key in ("trt/moe_front", "trt/moe_front.prefill"):  # the front attends: both forms, the pool in place
         assert graph_profiles(spec, m["graphs"][key])[1].shapes["kv_pool"].max == (8 * 4096, TINY.latent_dim)
+
+
+def test_an_engines_weights_are_prepared_as_its_graph_says(exported):
+    """The engine manifest carries each graph's weight preparation, which TrtBackend's upload reads: a block's
+    kv_b_proj goes to its engine dequantized, every weight in the dtype and shape the engine declares (no GPU
+    needed: the upload's device is a parameter)."""
+    from k2trt.runtime.backends.tensorrt import upload_weights
+    from k2trt.tiny.synthetic import RandomWeights
+
+    graph = export_manifest.read_manifest(exported)["graphs"]["trt/dense_block"]
+    entry = EM.engine_entry("dense_block", graph, graph_profiles(TOY_SPEC, graph), "dense_block.engine", "0" * 64, {})
+    assert entry["prep"] == graph["prep"] and entry["prep"]
+    up = upload_weights(entry, RandomWeights(TINY).block_weights(0), torch.bfloat16, "cpu")
+    assert sorted(up) == sorted(entry["weights"])
+    declared = {i["name"]: i for i in entry["inputs"]}
+    assert all(list(t.shape) == declared[n]["shape"] for n, t in up.items())
+    assert up["self_attn.kv_b_proj.weight.dequant"].dtype == torch.bfloat16
 
 
 def test_defaults_and_flags():

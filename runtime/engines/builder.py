@@ -46,16 +46,18 @@ def run(args) -> int:
 def build_engines(onnx_dir: Path, out: Path, spec: ProfileSpec, kinds=None, plugins: str = "aot",
                   timing_cache: Path | None = None, verbose: bool = False, log=None, logger=None) -> dict:
     """Build the engines of an export directory into `out` and write its manifest; -> the engine manifest.
-    kinds: default every block kind, and the MoE parts the export has (--expert-parallel). log(line) shows
-    progress (default: print, flushed — a build of K2 takes a while)."""
+    kinds: default every block kind, the MoE parts the export has (--expert-parallel) and its EAGLE-3 draft's
+    graphs (export --draft). log(line) shows progress (default: print, flushed — a build of K2 takes a while)."""
     log = log or (lambda line: print(line, flush=True))
     export = read_manifest(onnx_dir)
+    drafts: tuple[str, ...] = ()
     if kinds is None:
         kinds = BLOCK_KINDS + tuple(k for k in MOE_PART_KINDS if f"trt/{k}" in export["graphs"])
+        drafts = draft_engine_names(export)
     if out.exists() and not out.is_dir():
         raise K2Error(f"--out {out} exists and is not a directory")
     # every form of each kind: an attention kind's decode and prefill graphs are engines of their own
-    graphs = {name: _graph(export, name, onnx_dir) for name in engine_names(kinds)}
+    graphs = {name: _graph(export, name, onnx_dir) for name in engine_names(kinds) + drafts}
     # Only now the heavy dependencies: every input error above is reported without TensorRT.
     trt = environment.import_tensorrt()
     environment.require_cuda()
@@ -134,6 +136,11 @@ def configure_aot_target(env: dict):
                                                           env.get("tensorrt_cuda")))
     aot.configure(target)
     return target
+
+
+def draft_engine_names(export: dict) -> tuple[str, ...]:
+    """The engines of the export's EAGLE-3 draft (export/draft_graphs.py), one per TensorRT graph of it."""
+    return tuple(key[len("trt/"):] for key in export["graphs"] if key.startswith("trt/draft_"))
 
 
 def _graph(export: dict, kind: str, onnx_dir: Path) -> dict:

@@ -7,8 +7,9 @@
   head(out [B, T, H])                                            -> logits [B, T, draft vocab] float32
 
 Cache parts are the Llama layout's (k, v) [B, kv heads, P, head dim] or the MLA layout's (latent,) [B, P, lat];
-every tensor is float32 on the host, where the drafter keeps its caches. `draft_runner` picks the graphs where the
-target runs on exported graphs that include this draft's (`k2trt export --draft`), else the math.
+every tensor is float32 on the host, where the drafter keeps its caches. `draft_runner` picks the draft's engines
+where the target runs on TensorRT engines built with them (runtime/backends/tensorrt_draft.py), its graphs where the
+target runs on ONNX Runtime over an export that includes them (`k2trt export --draft`), else the math.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from k2trt.graphs.ops import TorchOps
 EMBEDDING = "embed_tokens.weight"  # the layer's embedding input: the draft's own or the target's (shared)
 
 
-def _weights(draft: Draft, target_embedding: torch.Tensor | None) -> dict[str, torch.Tensor]:
+def draft_weights(draft: Draft, target_embedding: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The draft's float tensors by normalized name, the embedding its own or the target's."""
     w = {name: t for name, t in draft.tensors.items() if t.dtype.is_floating_point}
     if EMBEDDING not in w:
         if target_embedding is None:
@@ -44,7 +46,7 @@ class TorchDraftRunner:
     def __init__(self, draft: Draft, target_embedding: torch.Tensor | None, target: K2Config | None):
         self.cfg = draft.config
         self.attn_cfg = self.cfg.attention_config(target) if self.cfg.layout == "mla" else None
-        self.w = {name: t.float() for name, t in _weights(draft, target_embedding).items()}
+        self.w = {name: t.float() for name, t in draft_weights(draft, target_embedding).items()}
         self.ops = TorchOps("float32")
 
     def fc(self, aux: torch.Tensor) -> torch.Tensor:
@@ -80,7 +82,7 @@ class OrtDraftRunner:
 
         ort = _ort()
         act = torch_dtype(manifest["act_dtype"])
-        source = _weights(draft, target_embedding)
+        source = draft_weights(draft, target_embedding)
         opts = session_options(threads)
         self.sessions, self.inputs, self.outputs = {}, {}, {}
         self.session_s = 0.0
@@ -115,15 +117,20 @@ class OrtDraftRunner:
         return self._run("draft_head", out)[0]
 
 
-def exported_draft(manifest: dict | None, draft: Draft) -> bool:
-    """Whether an export's manifest holds this draft's graphs (same config, by fingerprint)."""
+def holds_draft(manifest: dict | None, draft: Draft) -> bool:
+    """Whether an export's (or engine directory's) manifest holds this draft's graphs (same config, by
+    fingerprint)."""
     return bool(manifest) and (manifest.get("draft") or {}).get("fingerprint") == draft.config.fingerprint()
 
 
 def draft_runner(draft: Draft, target_embedding: torch.Tensor | None, target: K2Config, backend=None):
-    """The draft's graphs on ONNX Runtime where the target runs on an export holding them (float32 graphs on the
-    host), else its math on the torch reference."""
-    manifest = backend.manifest if backend is not None and backend.name == "ort" else None
-    if manifest is not None and manifest["act_dtype"] == "float32" and exported_draft(manifest, draft):
-        return OrtDraftRunner(backend.export_dir, manifest, draft, target_embedding)
+    """The draft's engines on the TensorRT target's device, its graphs on ONNX Runtime where the target runs on an
+    export holding them (float32 graphs on the host), else its math on the torch reference."""
+    name = backend.name if backend is not None else None
+    if name == "trt" and holds_draft(backend.manifest, draft):
+        from k2trt.runtime.backends.tensorrt_draft import TrtDraftRunner
+
+        return TrtDraftRunner(backend, draft, draft_weights(draft, target_embedding), target)
+    if name == "ort" and backend.manifest["act_dtype"] == "float32" and holds_draft(backend.manifest, draft):
+        return OrtDraftRunner(backend.export_dir, backend.manifest, draft, target_embedding)
     return TorchDraftRunner(draft, target_embedding, target)

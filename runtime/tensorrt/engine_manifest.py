@@ -13,7 +13,7 @@ from pathlib import Path
 import k2trt
 from k2trt.files import member, read_json_object, sha256_file, write_json
 from k2trt.errors import K2Error
-from k2trt.export_manifest import IO_SCHEMA
+from k2trt.export_manifest import GRAPH_SCHEMA, IO_SCHEMA
 from k2trt.schema import ListOf, MapOf, check
 from k2trt.runtime.tensorrt.environment import current_environment, max_ptx_for_cuda, ptx_text
 from k2trt.runtime.tensorrt.profiles import Profile, ProfileSpec
@@ -29,7 +29,8 @@ class EngineMismatch(K2Error):
 
 def engine_entry(kind: str, graph: dict, profiles: list[Profile], engine_file: str, engine_sha256: str,
                  plugin_modes: dict[str, str]) -> dict:
-    """One engine's record: its source graph (by hash), profiles, and the graph I/O the runtime binds."""
+    """One engine's record: its source graph (by hash), profiles, the graph I/O the runtime binds, and how its
+    weight inputs are prepared from the checkpoint's tensors (the graph's prep: upload_weights reads it)."""
     return {
         "kind": kind,
         "file": engine_file,
@@ -40,6 +41,7 @@ def engine_entry(kind: str, graph: dict, profiles: list[Profile], engine_file: s
         "inputs": graph["inputs"],
         "outputs": graph["outputs"],
         "weights": graph["weights"],
+        "prep": graph["prep"],
         "plugins": plugin_modes,
         **({"dispatch": graph["dispatch"]} if "dispatch" in graph else {}),  # an experts engine's rows
     }
@@ -63,6 +65,7 @@ def make_engine_manifest(export_manifest: dict, spec: ProfileSpec, env: dict, en
         "expert_parallel": export_manifest.get("expert_parallel", 1),
         "profile_spec": spec.as_dict(),
         "engines": engines,
+        **({"draft": export_manifest["draft"]} if "draft" in export_manifest else {}),  # its engines are among them
     }
 
 
@@ -73,7 +76,8 @@ def write_engine_manifest(engine_dir: Path, manifest: dict) -> None:
 # ---- loading ---------------------------------------------------------------------------------------------
 
 ENGINE_SCHEMA = {"kind": str, "file": str, "sha256": str, "source": str, "source_sha256": str, "profiles": ListOf(dict),
-                 "inputs": IO_SCHEMA, "outputs": IO_SCHEMA, "weights": ListOf(str), "plugins": MapOf(str)}
+                 "inputs": IO_SCHEMA, "outputs": IO_SCHEMA, "weights": ListOf(str), "prep": GRAPH_SCHEMA["prep"],
+                 "plugins": MapOf(str)}
 SCHEMA = {"tensorrt_version": str, "gpu": {"name": str, "compute_capability": str}, "config_fingerprint": str,
           "act_dtype": str, "activation_quant": (int, type(None)), "layers": MapOf(ListOf(int)),
           "profile_spec": dict, "engines": MapOf(ENGINE_SCHEMA)}
