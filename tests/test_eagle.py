@@ -382,3 +382,4 @@ def test_a_draft_over_stages_and_expert_parallel_ranks(tiny_ckpt, tiny_export, t
     results = json.loads(r.stdout)["results"]
     assert [x["token_ids"] for x in results] == alone
     assert results[0]["speculative"]["num_accepted_tokens"] > 0, results[0]["speculative"]
+
