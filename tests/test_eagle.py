@@ -352,12 +352,13 @@ def distilled_on_prompts(tiny_ckpt, draft_dirs, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [["--pipeline", "2", "--stages", "3,1"], ["--expert-parallel", "2"],
-                                    ["--pipeline", "2", "--stages", "3,1", "--expert-parallel", "2"]],
-                         ids=["2-stages", "2-ep-ranks", "2-stages-x-2-ep-ranks"])
+                                    ["--pipeline", "2", "--stages", "3,1", "--expert-parallel", "2"],
+                                    ["--pipeline", "2", "--stages", "3,1", "--micro-batches", "2"]],
+                         ids=["2-stages", "2-ep-ranks", "2-stages-x-2-ep-ranks", "2-stages-2-micro-batches"])
 def test_a_draft_over_stages_and_expert_parallel_ranks(tiny_ckpt, tiny_export, tiny_ep_exports, distilled_on_prompts,
                                                        layout):
-    """The draft on rank 0, the aux states carried down the stages (layer 2 on the first, 3 on the second) and
-    sent from each column's last rank: the tokens of one process without a draft, and drafts kept — a draft that
+    """The draft on rank 0 (with micro-batches, a drafter per lane), the aux states carried down the stages (layer
+    2 on the first, 3 on the second) and sent from each column's last rank: the tokens of one process without a draft, and drafts kept — a draft that
     read wrong aux states would propose noise (a random draft keeps none: test_a_distilled_draft_agrees...)."""
     import contextlib
     import io

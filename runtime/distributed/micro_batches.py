@@ -9,6 +9,11 @@ already works on lane B's. Only this thread touches the backend and the process 
 
 A sequence computes what it computes in any batch (its own positions, slot and seeded sampler), so the tokens are
 the single process's, however the requests are dealt.
+
+Speculation runs in each lane as in one scheduler: its verify steps go through the pipeline like any step, and an
+EAGLE-3 draft gets each step's aux states with its ids (the driver takes them from the pipeline executor as it
+completes the step). Each lane has a drafter of its own over one shared runner (the draft's weights once), which
+the lanes call from their threads — so not a TensorRT one, whose engines only this thread may drive.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
+from k2trt.errors import K2Error
 from k2trt.runtime.cache.sizing import part_slots
 from k2trt.runtime.distributed.pipeline import PipelineExecutor
 from k2trt.runtime.generation.scheduler import Request, Scheduler
@@ -37,6 +43,7 @@ class _Submitted:
     lane: int
     plan: StepPlan
     ids: list | None = None
+    aux: object = None  # the step's aux states (an EAGLE-3 draft's), in the lane's order
     done: bool = False
     issued_at: float = 0.0
 
@@ -45,21 +52,32 @@ class _LaneExecutor(Executor):
     """What one lane's scheduler runs its steps on: the plan goes to the driver, the ids come back."""
 
     samples_here = False  # the pipeline's last ranks sample
-    verifies_drafts = False  # no speculation across micro-batches yet
-    aux_layers = ()
-    captures_aux = False
+    verifies_drafts = True  # a verify row's kept tokens come back with the ids
+    captures_aux = True  # the driver hands each step's aux states back with its ids
 
     def __init__(self, lanes: "MicroBatchScheduler", lane: int):
         self.lanes, self.lane = lanes, lane
+        self.aux = None
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        return self.lanes.leader.aux_layers
+
+    @aux_layers.setter
+    def aux_layers(self, layers: tuple[int, ...]) -> None:  # every lane's draft is the same draft
+        self.lanes.leader.aux_layers = layers
 
     def run(self, plan: StepPlan) -> list[int | None]:
-        return self.lanes._submit(self.lane, plan)
+        item = self.lanes._submit(self.lane, plan)
+        self.aux = item.aux
+        return item.ids
 
     def take_logprobs(self) -> StepLogprobs:
         return StepLogprobs({}, {})
 
     def take_aux(self):
-        return None  # EAGLE-3 drafts run in one process only
+        out, self.aux = self.aux, None
+        return out
 
     @property
     def clock(self):
@@ -89,14 +107,20 @@ class _Intervals:
 class MicroBatchScheduler(BatchScheduler):
     """M lanes behind one scheduler's interface (what Generator and the server call)."""
 
-    def __init__(self, leader: PipelineExecutor, cfg, limits, lanes: int, prefix_cache: bool = True):
+    def __init__(self, leader: PipelineExecutor, cfg, limits, lanes: int, prefix_cache: bool = True,
+                 speculation=None, drafter=None):
         self.leader, self.cfg, self.limits = leader, cfg, limits
         self.executor = leader
+        if drafter is not None and drafter.runner.name == "tensorrt":
+            raise K2Error("--speculative-config eagle3 with --micro-batches runs the draft in each lane's thread, "
+                          "and only the pipeline's driver may use the TensorRT engines: use --micro-batches 1")
+        self.drafter = drafter
         lane_batch = max(1, math.ceil(limits.max_batch / lanes))
         # each lane's cache pages are its own, on every rank: the pool is dealt out with the slots
         lane_parts = part_slots(lane_batch, limits.cache_parts)
         lane_limits = replace(limits, max_batch=lane_batch, cache_pages=max(lane_parts, limits.cache_pages // lanes))
-        self.lanes = [Scheduler(_LaneExecutor(self, i), cfg, lane_limits, prefix_cache) for i in range(lanes)]
+        self.lanes = [Scheduler(_LaneExecutor(self, i), cfg, lane_limits, prefix_cache, speculation,
+                                drafter.sibling() if drafter is not None else None) for i in range(lanes)]
         self._cond = threading.Condition()
         self._queue: deque[_Submitted] = deque()
         self._planning = 0  # lanes running scheduler code (not waiting for a step, not finished)
@@ -116,7 +140,19 @@ class MicroBatchScheduler(BatchScheduler):
 
     @property
     def spec_counters(self) -> SpecCounters:
-        return SpecCounters()  # no speculation through a pipeline yet
+        """The lanes' counters added up."""
+        total = SpecCounters()
+        for s in self.lanes:
+            c = s.spec_counters
+            total.num_drafts += c.num_drafts
+            total.num_draft_tokens += c.num_draft_tokens
+            total.num_accepted_tokens += c.num_accepted_tokens
+            per = total.accepted_per_pos or []
+            for i, n in enumerate(c.accepted_per_pos or []):
+                per += [0] * (i + 1 - len(per))
+                per[i] += n
+            total.accepted_per_pos = per or None
+        return total
 
     def running(self) -> int:
         return sum(s.running() for s in self.lanes)
@@ -203,7 +239,7 @@ class MicroBatchScheduler(BatchScheduler):
                 self._planning -= 1
                 self._cond.notify_all()
 
-    def _submit(self, lane: int, plan: StepPlan) -> list[int | None]:
+    def _submit(self, lane: int, plan: StepPlan) -> _Submitted:
         item = _Submitted(lane, plan)
         with self._cond:
             if self._error is not None:
@@ -215,7 +251,7 @@ class MicroBatchScheduler(BatchScheduler):
                 self._cond.wait()
             if not item.done:
                 raise Stopped()
-        return item.ids
+        return item
 
     # ---- the driver -------------------------------------------------------------------------------------------
     def _drive(self) -> None:
@@ -242,12 +278,13 @@ class MicroBatchScheduler(BatchScheduler):
                     flying.setdefault(item.lane, deque()).append(item)
                 else:
                     lane, ids = leader.complete()
+                    aux = leader.take_aux()  # this step's, before the next completes
                     done = flying[lane].popleft()
                     if done.plan.tokens:
                         kind = DECODE if is_decode(done.plan) else PREFILL
                         self._intervals.add(kind, done.issued_at, time.perf_counter())
                     with self._cond:  # its lane plans again from now: wait for its next plan, not the next ids
-                        done.ids, done.done = ids, True
+                        done.ids, done.aux, done.done = ids, aux, True
                         self._planning += 1
                         self._cond.notify_all()
             except BaseException as e:

@@ -118,16 +118,17 @@ class LoadedModel:
         from k2trt.runtime.generation.executor import StageExecutor
         from k2trt.runtime.generation.scheduler import Scheduler
 
+        from k2trt.runtime.generation.eagle import make_drafter
+
+        drafter = make_drafter(speculation, self.config, self.backend.weights, self.backend)
         if self.micro_batches > 1 and self.executor is not None:
             from k2trt.runtime.distributed.micro_batches import MicroBatchScheduler
 
-            if speculation is not None:
-                raise K2Error("--speculative-config is not supported with --micro-batches yet")
-            return MicroBatchScheduler(self.executor, self.config, limits, self.micro_batches, prefix_cache)
-        from k2trt.runtime.generation.eagle import make_drafter
+            return MicroBatchScheduler(self.executor, self.config, limits, self.micro_batches, prefix_cache,
+                                       speculation, drafter)
 
         return Scheduler(self.executor or StageExecutor(self.backend, self.config), self.config, limits, prefix_cache,
-                         speculation, make_drafter(speculation, self.config, self.backend.weights, self.backend))
+                         speculation, drafter)
 
     @property
     def follower(self) -> bool:

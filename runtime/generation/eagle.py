@@ -75,6 +75,14 @@ class EagleDrafter:
     def aux_layers(self) -> tuple[int, ...]:
         return self.cfg.aux_layer_ids
 
+    def sibling(self) -> "EagleDrafter":
+        """A drafter of the same draft with no sequences of its own, sharing this one's runner (the weights once):
+        one per micro-batch lane."""
+        twin = object.__new__(EagleDrafter)
+        twin.__dict__.update(self.__dict__)
+        twin.sequences, twin.pages = {}, {}
+        return twin
+
     def _empty(self) -> _Sequence:
         if self.mla:
             return _Sequence([torch.zeros(1, 0, self.attn_cfg.latent_dim)], self.axis)

@@ -53,6 +53,7 @@ class BatchScheduler(Protocol):
     executor: Executor  # what its steps run on (the one whose clock times them)
     limits: "Limits"
     spec_counters: "SpecCounters"  # what speculative decoding proposed and kept (empty without it)
+    drafter: object  # the EAGLE-3 draft following its sequences (runtime/generation/eagle.py), or None
     samples_here: bool
     timings: "Timings"
 

@@ -194,7 +194,7 @@ class Scheduler(BatchScheduler):
                  speculation: SpeculativeConfig | None = None, drafter=None):
         self.executor, self.cfg, self.limits = executor, cfg, limits
         if speculation is not None and not executor.verifies_drafts:
-            raise K2Error("--speculative-config is not supported with --micro-batches yet")
+            raise K2Error("--speculative-config: this executor cannot verify drafts")
         self.speculation = speculation
         self.drafter = drafter  # an EAGLE-3 draft (runtime/generation/eagle.py), following every sequence
         if speculation is not None and speculation.method == "eagle3":
