@@ -119,6 +119,7 @@ def test_the_drafter_on_exported_graphs_proposes_what_the_math_proposes(exported
     assert on_graphs.propose_many([(0, 3), (1, 3)]) == on_math.propose_many([(0, 3), (1, 3)])
 
 
+@pytest.mark.slow  # ~2 s: two generations of each sampling
 def test_generation_on_exported_draft_graphs_gives_the_tokens_without_one(exported):
     """The ONNX Runtime target on an export holding the draft: make_drafter runs the draft's graphs, and greedy
     and seeded tokens are those of no speculation."""
@@ -159,6 +160,7 @@ def test_generation_on_exported_draft_graphs_gives_the_tokens_without_one(export
         assert fast == plain and counters.num_drafts > 0
 
 
+@pytest.mark.slow  # ~2 s: an export and three CLI runs
 def test_export_and_generate_with_a_draft_from_the_command_line(tiny_ckpt, tmp_path, capsys):
     """`k2trt export --draft DIR`, then `generate --speculative-config eagle3` on those graphs: the draft runs on
     them (--json says where) and the text is that of no speculation; a draft that is not one is one line."""

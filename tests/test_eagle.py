@@ -133,7 +133,8 @@ def _generate(backend, prompts, params, spec, weights, new_tokens=12):
     return [r.token_ids for r in reqs], sched.spec_counters
 
 
-@pytest.mark.parametrize("form", ["llama", "speculators", "mla"])
+@pytest.mark.parametrize("form", ["llama", pytest.param("speculators", marks=pytest.mark.slow),
+                                  pytest.param("mla", marks=pytest.mark.slow)])  # ~6 s each
 def test_generation_with_a_draft_gives_the_tokens_without_one(draft_dirs, form):
     """The torch reference, a ragged batch of three, greedy and seeded: the same tokens with an EAGLE-3 draft
     proposing (and its drafts verified at every decode step) as with none."""
@@ -300,6 +301,7 @@ def test_a_batch_of_sequences_drafts_as_each_alone(draft_dirs, form):
         [alone.propose(key, k) for key, k in enumerate(asks)] + [[]]
 
 
+@pytest.mark.slow  # ~6 s
 def test_a_prefix_hit_restores_the_drafts_cache(draft_dirs):
     """The same prompts twice through one scheduler with the prefix cache: the second time their first pages come
     from the cache, and the draft's cache over them from the pages the draft kept — keyed by the page and the token
