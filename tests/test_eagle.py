@@ -98,7 +98,10 @@ def test_the_draft_follows_its_sequence_by_length(draft_dirs, form):
     whole, chunks = _drafter(draft_dirs, form), _drafter(draft_dirs, form)
     whole.advance("a", 0, tokens, aux)
     chunks.advance("a", 0, tokens[:5], aux[:5])
+    chunks.flush()  # computed in two chunks
     chunks.advance("a", 5, tokens[5:], aux[5:])
+    assert whole.sequences["a"].length == 0 and whole.sequences["a"].total == 8  # followed, not computed yet
+    whole.flush(), chunks.flush()
     torch.testing.assert_close(whole.sequences["a"].last_logits, chunks.sequences["a"].last_logits,
                                rtol=1e-4, atol=1e-4)
     first = whole.propose("a", 4)
@@ -107,6 +110,7 @@ def test_the_draft_follows_its_sequence_by_length(draft_dirs, form):
     whole.advance("a", 3, tokens[3:6], aux[3:6])  # rejected drafts: back to 3, then 3 more
     fresh = _drafter(draft_dirs, form)
     fresh.advance("a", 0, tokens[:6], aux[:6])
+    whole.flush(), fresh.flush()
     assert whole.sequences["a"].length == 6
     torch.testing.assert_close(whole.sequences["a"].last_logits, fresh.sequences["a"].last_logits,
                                rtol=1e-4, atol=1e-4)
@@ -289,9 +293,13 @@ def test_a_batch_of_sequences_drafts_as_each_alone(draft_dirs, form):
     alone, batched = _drafter(draft_dirs, form), _drafter(draft_dirs, form)
     for key, (tokens, aux) in enumerate(data):
         alone.advance(key, 0, tokens[:2], aux[:2])
+        alone.flush([key])
         alone.advance(key, 2, tokens[2:], aux[2:])
+        alone.flush([key])
     batched.advance_many([(key, 0, tokens[:2], aux[:2]) for key, (tokens, aux) in enumerate(data)])
+    batched.flush()
     batched.advance_many([(key, 2, tokens[2:], aux[2:]) for key, (tokens, aux) in enumerate(data)])
+    batched.flush()
     for key in range(3):
         for a, b in zip(batched.sequences[key].parts, alone.sequences[key].parts):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -386,3 +394,38 @@ def test_a_draft_over_stages_and_expert_parallel_ranks(tiny_ckpt, tiny_export, t
     assert [x["token_ids"] for x in results] == alone
     assert results[0]["speculative"]["num_accepted_tokens"] > 0, results[0]["speculative"]
 
+
+
+def test_the_draft_follows_without_computing_until_it_proposes(draft_dirs, monkeypatch):
+    """Following a sequence only keeps its positions: the draft's layer runs when the sequence proposes (all its
+    pending positions in one call, the same proposals as computing step by step), when MAX_PENDING positions
+    wait, or when a page the prefix store wants fills."""
+    import k2trt.runtime.generation.eagle as E
+
+    g = torch.Generator().manual_seed(9)
+    tokens = torch.randint(0, TINY.vocab_size, (40,), generator=g).tolist()
+    aux = torch.randn(40, 3 * TINY.hidden_size, generator=g)
+    lazy, eager = _drafter(draft_dirs), _drafter(draft_dirs)
+    calls = []
+    real = lazy.runner.fc
+    lazy.runner.fc = lambda a: calls.append(a.shape[1]) or real(a)
+    for start in range(0, 12, 3):  # four steps while speculation is paused
+        lazy.advance("s", start, tokens[start:start + 3], aux[start:start + 3])
+        eager.advance("s", start, tokens[start:start + 3], aux[start:start + 3])
+        eager.flush()
+    assert calls == [] and lazy.sequences["s"].total == 12
+    assert lazy.propose("s", 3) == eager.propose("s", 3) and calls == [12]
+    monkeypatch.setattr(lazy, "max_pending", 8)
+    lazy.advance("s", 12, tokens[12:18], aux[12:18])
+    lazy.advance("s", 18, tokens[18:24], aux[18:24])  # 6 + 6 > 8: the first six are computed first
+    assert calls == [12, 6] and lazy.sequences["s"].total == 24
+    lazy.keep_pages("s", [b"p0", b"p1"], tokens[:25], 16)  # page 1 (positions 16..31) is not full yet
+    assert calls == [12, 6] and (b"p0", tokens[16]) in lazy.pages
+    lazy.advance("s", 24, tokens[24:33], aux[24:33])  # 9 > 8 pending: computed at once
+    lazy.keep_pages("s", [b"p0", b"p1"], tokens[:34], 16)
+    assert calls == [12, 6, 6, 9] and (b"p1", tokens[32]) in lazy.pages
+    fresh = _drafter(draft_dirs)
+    fresh.advance("t", 0, tokens[:20], aux[:20])
+    fresh.keep_pages("t", [b"q0"], tokens[:21], 16)  # a full page the store wants, pending: computed for it
+    assert fresh.sequences["t"].length == 20 and (b"q0", tokens[16]) in fresh.pages
+    assert E.MAX_PENDING >= 64

@@ -31,6 +31,7 @@ class TrtDraftRunner:
         """backend: the target's TrtBackend, its engines holding the draft's; weights: the draft's float tensors by
         normalized name, the embedding included (draft_runners.draft_weights)."""
         self.backend, self.cfg = backend, draft.config
+        self.max_positions = backend.spec.max_prefill  # the profiles' T
         self.mla = self.cfg.layout == "mla"
         wanted = DRAFT_ENGINES + ((PREFILL,) if self.mla else ())
         missing = [k for k in wanted if k not in backend.engines]

@@ -42,6 +42,7 @@ class TorchDraftRunner:
     """The draft's math (graphs/eagle.py) with the torch reference's ops, in float32."""
 
     name = "torch"
+    max_positions = None  # new positions one call may take: any
 
     def __init__(self, draft: Draft, target_embedding: torch.Tensor | None, target: K2Config | None):
         self.cfg = draft.config
@@ -70,6 +71,7 @@ class OrtDraftRunner:
     Runtime, its weights made initializers once (one layer: nothing to rebind per call)."""
 
     name = "onnxruntime"
+    max_positions = None
 
     def __init__(self, export_dir: Path, manifest: dict, draft: Draft, target_embedding: torch.Tensor | None,
                  threads: int | None = None):

@@ -23,7 +23,7 @@ position on a page read the next page's first token); where one is missing the s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,21 +38,46 @@ from k2trt.runtime.generation.draft_runners import TorchDraftRunner, draft_runne
 @dataclass
 class _Sequence:
     """One sequence's draft state: its cache over positions 0 .. length − 1 — (k, v) [1, kv heads, L, head_dim]
-    for the Llama layout, (latent,) [1, L, kv_lora + rope] for the MLA one — and its output at the last one."""
+    for the Llama layout, (latent,) [1, L, kv_lora + rope] for the MLA one — and its output at the last one; then
+    the committed positions not computed yet (their next tokens and aux states), computed when it proposes."""
     parts: list[torch.Tensor]
     axis: int  # the positions' axis of each part
     last_out: torch.Tensor | None = None  # [1, 1, H]: fed back as the next step's hidden
     last_logits: torch.Tensor | None = None  # [1, 1, draft vocab]
+    pending_tokens: list[int] = field(default_factory=list)
+    pending_aux: torch.Tensor | None = None  # [n, 3 × target H] float32
 
     @property
     def length(self) -> int:
+        """Positions computed."""
         return self.parts[0].shape[self.axis]
 
+    @property
+    def total(self) -> int:
+        """Positions followed: computed and pending."""
+        return self.length + len(self.pending_tokens)
+
     def cut(self, length: int) -> None:
-        self.parts = [p.narrow(self.axis, 0, length) for p in self.parts]
+        """Keep positions 0 .. length − 1 (a step that starts there: rejected drafts, recomputation)."""
+        if length <= self.length:
+            if length < self.length:
+                self.parts = [p.narrow(self.axis, 0, length) for p in self.parts]
+                self.last_out = self.last_logits = None
+            self.pending_tokens, self.pending_aux = [], None
+        else:
+            keep = length - self.length
+            self.pending_tokens = self.pending_tokens[:keep]
+            self.pending_aux = self.pending_aux[:keep]
+
+    def follow(self, tokens: list[int], aux: torch.Tensor) -> None:
+        self.pending_tokens = self.pending_tokens + list(tokens)
+        aux = aux[:len(tokens)].float()
+        self.pending_aux = aux if self.pending_aux is None else torch.cat([self.pending_aux, aux])
+        self.last_out = self.last_logits = None  # the output at the last position is not computed yet
 
 
 PAGE_STORE = 1024  # draft cache pages kept for prefix hits (least recently stored dropped first)
+MAX_PENDING = 256  # positions a sequence follows before they are computed anyway (one chunk of the layer)
 
 
 class EagleDrafter:
@@ -65,6 +90,8 @@ class EagleDrafter:
         self.attn_cfg = cfg.attention_config(target) if self.mla else None
         self.axis = 1 if self.mla else 2
         self.runner = runner or TorchDraftRunner(draft, target_embedding, target)
+        limit = self.runner.max_positions  # TensorRT's profiles bound a call's positions
+        self.max_pending = min(MAX_PENDING, limit) if limit else MAX_PENDING
         self.target_ids = draft.target_ids
         self.sequences: dict[object, _Sequence] = {}
         # (page key, the token after the page) -> the draft's cache over the page: the page key names the page's
@@ -121,18 +148,34 @@ class EagleDrafter:
         self.advance_many([(key, start, next_tokens, aux)])
 
     def advance_many(self, items: list[tuple]) -> None:
-        """advance for several sequences, their layers run as one batch."""
-        run = []
+        """advance for several sequences. The positions are followed, not computed: the draft computes them, all
+        its sequences' pending positions as one batch, when a sequence proposes (`flush`) — so while speculation
+        is paused or a request backs off, following costs nothing but keeping the aux states (MAX_PENDING at
+        most)."""
+        due = []
         for key, start, next_tokens, aux in items:
             seq = self.sequences.get(key)
             if start == 0:
                 seq = self.sequences[key] = self._empty()
-            elif seq is None or seq.length < start:  # positions it never saw (a prefix-cache hit): no drafts
+            elif seq is None or seq.total < start:  # positions it never saw (a prefix-cache hit): no drafts
                 self.sequences.pop(key, None)
                 continue
             seq.cut(start)
-            if next_tokens:
-                run.append((seq, list(next_tokens), aux[:len(next_tokens)].float()))
+            if not next_tokens:
+                continue
+            if seq.pending_tokens and len(seq.pending_tokens) + len(next_tokens) > self.max_pending:
+                self.flush([key])
+            seq.follow(next_tokens, aux)
+            if len(seq.pending_tokens) >= self.max_pending:
+                due.append(key)
+        if due:
+            self.flush(due)
+
+    def flush(self, keys=None) -> None:
+        """Compute the pending positions of these sequences (default: all), their layers run as one batch."""
+        keys = list(self.sequences) if keys is None else keys
+        seqs = [self.sequences.get(key) for key in keys]
+        run = [(seq, seq.pending_tokens, seq.pending_aux) for seq in seqs if seq is not None and seq.pending_tokens]
         if not run:
             return
         t = max(len(tokens) for _, tokens, _ in run)
@@ -148,6 +191,7 @@ class EagleDrafter:
             seq.parts = [torch.cat([part, new[i:i + 1].narrow(self.axis, 0, len(tokens))], dim=self.axis)
                          for part, new in zip(seq.parts, news)]
             seq.last_out, seq.last_logits = last[i:i + 1], logits[i:i + 1]
+            seq.pending_tokens, seq.pending_aux = [], None
 
     def propose(self, key, k: int) -> list[int]:
         """Up to k draft tokens (target ids) after the sequence's committed positions; none without state."""
@@ -156,6 +200,7 @@ class EagleDrafter:
     def propose_many(self, asks: list[tuple]) -> list[list[int]]:
         """propose for several sequences: each draft step of all of them one batch; their caches are left as
         committed (the drafted positions live in a working copy)."""
+        self.flush([key for key, k in asks if k >= 1])
         live = [(i, self.sequences.get(key), k) for i, (key, k) in enumerate(asks)]
         live = [(i, seq, k) for i, seq, k in live if seq is not None and seq.last_logits is not None and k >= 1]
         result: list[list[int]] = [[] for _ in asks]
@@ -190,6 +235,10 @@ class EagleDrafter:
         seq = self.sequences.get(key)
         if seq is None:
             return
+        wanted = [(i, pk) for i, pk in enumerate(page_keys)
+                  if (i + 1) * page_tokens < len(tokens) and (pk, tokens[(i + 1) * page_tokens]) not in self.pages]
+        if any(seq.length < (i + 1) * page_tokens <= seq.total for i, _ in wanted):
+            self.flush([key])  # a page filled while its positions were pending: computed once per page at most
         for i, pk in enumerate(page_keys):
             end = (i + 1) * page_tokens
             if end >= len(tokens) or seq.length < end:
