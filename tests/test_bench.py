@@ -68,3 +68,17 @@ def test_bench_bad_arguments_give_one_line(tiny_ckpt, tiny_export, capsys):
     rc = main(["bench", "--model", str(tiny_ckpt), "--onnx", str(tiny_export), "--baselines", "llama"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "unknown baseline" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_bench_speculating_keeps_transformers_tokens(tiny_ckpt, tiny_export, capsys):
+    """--speculative-config: the runtime speculates (prompt lookup) while the baselines decode plainly — its
+    greedy tokens still transformers' own, and each row says what the verify steps gave."""
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    rc = main(["bench", "--model", str(tiny_ckpt), "--onnx", str(tiny_export), *BENCH, "--new-tokens", "24",
+               "--speculative-config", spec])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and out["speculative_config"] == "ngram"
+    for r in out["rows"]:
+        assert r["tokens_agree_with_transformers"] == 1.0
+        assert "runtime_mean_accepted_length" in r

@@ -22,7 +22,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baselines", default=f"{TRANSFORMERS},{REFERENCE}",
                    help=f"comma-separated: {TRANSFORMERS} (needs the bench extra), {REFERENCE} (eager torch)")
     p.add_argument("--json", action="store_true")
-    from k2trt.runtime.entrypoints.model import add_pipeline_arguments
+    from k2trt.runtime.entrypoints.model import add_pipeline_arguments, speculative_config
+
+    p.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
+                   help='the runtime speculates, as `generate` takes it (e.g. {"method": "ngram", '
+                        '"num_speculative_tokens": 3}): its rows are against the baselines decoding plainly, and '
+                        "report the tokens each verify step gave")
 
     # --pipeline P / --expert-parallel E: the per-step time of the ranks against one process (pipeline_bench)
     add_pipeline_arguments(p, micro_batch_list=True)

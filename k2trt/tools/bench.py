@@ -25,6 +25,7 @@ class Row:
     runs: dict = field(default_factory=dict)  # backend -> phase -> [tok/s per repeat]
     agree: float | None = None  # share of sequences whose greedy tokens equal transformers'
     host_share: float | None = None  # of the runtime's step time, outside ONNX Runtime's sessions
+    accepted: float | None = None  # with --speculative-config: the runtime's tokens per verify step
 
     def median(self, backend: str, phase: str) -> float | None:
         values = self.runs.get(backend, {}).get(phase)
@@ -41,7 +42,7 @@ class Row:
 
     def as_dict(self) -> dict:
         out = {"batch": self.batch, "prompt": self.prompt, "tokens_agree_with_transformers": self.agree,
-               "runtime_host_share": self.host_share}
+               "runtime_host_share": self.host_share, "runtime_mean_accepted_length": _round(self.accepted)}
         for backend in self.runs:
             for phase in PHASES:
                 out[f"{backend}_{phase}_tokens_per_s"] = _round(self.median(backend, phase))
@@ -75,6 +76,9 @@ class Runner:
             backend = open_backend(choice, ckpt)
             backend.prepare()
             self.gens[name] = Generator(backend, self.cfg)
+        self.speculation = args.speculative_config
+        if self.speculation is not None:  # the runtime speculates; the baselines decode plainly
+            self.gens[RUNTIME] = speculating_generator(self.gens[RUNTIME].backend, self.cfg, self.speculation)
         if TRANSFORMERS in wanted:
             from k2trt.tools import hf_baseline
 
@@ -110,6 +114,10 @@ class Runner:
         row = Row(batch, prompt, {b: {p: [] for p in PHASES} for b in self.backends})
         for b in self.backends:
             self.generate(b, prompts, 2)  # warm-up at this shape
+        if self.speculation is not None:
+            from k2trt.runtime.generation.speculation import SpecCounters
+
+            self.gens[RUNTIME].scheduler.spec_counters = SpecCounters()  # the timed runs' only
         tokens, shares = {}, []
         for _ in range(repeat):  # every backend in turn, so load changes hit all of them alike
             for b in self.backends:
@@ -119,9 +127,26 @@ class Runner:
                 if share is not None and b == RUNTIME:
                     shares.append(share)
         row.host_share = statistics.median(shares)
+        if self.speculation is not None:
+            row.accepted = self.gens[RUNTIME].scheduler.spec_counters.mean_accepted_length
         if TRANSFORMERS in tokens:
             row.agree = sum(a == t for a, t in zip(tokens[RUNTIME], tokens[TRANSFORMERS])) / batch
         return row
+
+
+def speculating_generator(backend, cfg, speculation, limits=None, executor=None):
+    """A Generator whose scheduler speculates as --speculative-config says (an EAGLE-3 draft loaded for it)."""
+    from k2trt.runtime.generation.eagle import make_drafter
+    from k2trt.runtime.generation.executor import StageExecutor
+    from k2trt.runtime.generation.generator import Generator
+    from k2trt.runtime.generation.limits import Limits
+    from k2trt.runtime.generation.scheduler import Scheduler
+
+    limits = limits or Limits.resolve(cfg, backend.limits)
+    executor = executor or StageExecutor(backend, cfg)
+    drafter = make_drafter(speculation, cfg, backend.weights, backend)
+    return Generator(backend, cfg, limits, executor, Scheduler(executor, cfg, limits, speculation=speculation,
+                                                               drafter=drafter))
 
 
 def _rates(d: dict) -> dict:
@@ -133,7 +158,7 @@ def format_table(rows: list[Row], backends: list[str]) -> str:
     head = ["batch", "prompt"]
     for p in PHASES:
         head += [f"{p} {b}" for b in backends] + [f"{p} ×{b[:5]}" for b in baselines]
-    head += ["same tokens", "host", "spread"]
+    head += ["same tokens", "host", "spread"] + (["accepted"] if any(r.accepted is not None for r in rows) else [])
     lines = [head]
     for r in rows:
         cells = [str(r.batch), str(r.prompt)]
@@ -142,6 +167,8 @@ def format_table(rows: list[Row], backends: list[str]) -> str:
             cells += [f"{r.ratio(b, p):.2f}×" for b in baselines]
         spread = max(r.spread(RUNTIME, p) for p in PHASES)
         cells += ["-" if r.agree is None else f"{r.agree:.0%}", f"{r.host_share:.0%}", f"{spread:.0%}"]
+        if len(head) > len(cells):
+            cells.append("-" if r.accepted is None else f"{r.accepted:.2f}")
         lines.append(cells)
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines)
@@ -173,13 +200,17 @@ def run(args) -> int:
                 print(f"batch {batch}, prompt {prompt}, {args.new_tokens} new tokens ...", flush=True)
             rows.append(runner.row(batch, prompt, args.repeat))
     if args.json:
+        spec = args.speculative_config
         print(json.dumps({"backends": runner.backends, "new_tokens": args.new_tokens, "repeat": args.repeat,
-                          "missing": runner.missing, "rows": [r.as_dict() for r in rows]}))
+                          "missing": runner.missing, "rows": [r.as_dict() for r in rows],
+                          "speculative_config": None if spec is None else spec.method}))
         return 0
     print()
     print(format_table(rows, runner.backends))
     print(f"tokens/s, median of {args.repeat} runs per backend (each run: {args.new_tokens} new tokens, greedy); "
           f"×NAME = runtime / NAME; same tokens = share of sequences whose tokens equal transformers'; "
           f"host = share of the runtime's step time outside ONNX Runtime's sessions; spread = the runtime's "
-          f"(max - min) / median over the runs, the larger of prefill and decode")
+          f"(max - min) / median over the runs, the larger of prefill and decode"
+          + ("; accepted = the runtime's tokens per verify step (speculating; the baselines decode plainly)"
+             if args.speculative_config is not None else ""))
     return 0

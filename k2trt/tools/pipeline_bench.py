@@ -39,7 +39,12 @@ def single_process(args) -> dict:
     from k2trt.runtime.entrypoints.model import load_model
 
     loaded = load_model(args, BackendChoice("ort", args.onnx), command="bench", micro_batches=1)
-    gen = Generator(loaded.backend, loaded.config)
+    if args.speculative_config is not None:
+        from k2trt.tools.bench import speculating_generator
+
+        gen = speculating_generator(loaded.backend, loaded.config, args.speculative_config)
+    else:
+        gen = Generator(loaded.backend, loaded.config)
     return measure(gen, prompts_of(args, loaded.config), args.new_tokens, args.repeat)
 
 
@@ -94,7 +99,9 @@ def run(args) -> int:
     from k2trt.runtime.distributed.launch import run_pipeline
     from k2trt.runtime.distributed.micro_batches import MicroBatchScheduler
     from k2trt.runtime.distributed.world import launched
+    from k2trt.runtime.generation.eagle import make_drafter
     from k2trt.runtime.generation.generator import Generator
+    from k2trt.runtime.generation.scheduler import Scheduler
 
     experts = args.expert_parallel or 1
     if not launched():
@@ -107,8 +114,13 @@ def run(args) -> int:
     leader, cfg = loaded.executor, loaded.config
     limits = loaded.limits()
     rows, mark = [], loaded.session.mark("start")
+    spec = args.speculative_config
+    drafter = make_drafter(spec, cfg, loaded.backend.weights, loaded.backend)
     for i, m in enumerate(args.micro_batches):
-        scheduler = MicroBatchScheduler(leader, cfg, limits, m) if m > 1 else None
+        if m > 1:
+            scheduler = MicroBatchScheduler(leader, cfg, limits, m, True, spec, drafter)
+        else:
+            scheduler = Scheduler(leader, cfg, limits, True, spec, drafter.sibling() if drafter else None)
         gen = Generator(loaded.backend, cfg, limits, executor=leader, scheduler=scheduler)
         steps = leader.decode_steps
         row = measure(gen, prompts_of(args, cfg), args.new_tokens, args.repeat)
