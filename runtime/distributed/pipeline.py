@@ -301,6 +301,7 @@ class Inbound:
     hidden: Posted
     carry: Posted | None
 
+
 class StageRunner:
     """This rank's stage executors — one per micro-batch (`lane`), each with its own slots, cache and samplers, all
     on the one backend and clock — and its part of each step between the messages."""
