@@ -1237,7 +1237,7 @@ def test_doctor_checks_every_plugin_and_the_tokens():
     names = [s.name for s in doctor.steps()]
     assert names[:2] == ["TensorRT and CUDA", "plugin registration"]
     assert {n.split()[2] for n in names if n.startswith("one-node engine")} == set(plugins.plugin_specs())
-    assert names[-2:] == ["tiny model block engines", "8 tokens vs ONNX Runtime"]
+    assert names[-3:] == ["tiny model block engines", "8 tokens vs ONNX Runtime", "EAGLE-3 draft on its engines"]
 
 
 def test_standin_refuses_what_tensorrt_refuses():

@@ -111,3 +111,22 @@ def test_an_eagle_draft_runs_on_its_engines_through_tensorrts_rules(trt_export, 
         runs[speculation is not None] = [r.token_ids for r in reqs]
     assert runs[True] == runs[False]
     assert all(sum(c.enqueued for c in engines[n].contexts) > 0 for n in ("draft_fc", "draft_layer", "draft_head"))
+
+
+def test_doctors_draft_step_passes_on_the_standin_and_fails_without_the_draft_engines(trt_export, tmp_path):
+    """k2trt doctor's sixth step, as the first GPU will run it, here on the stand-in: the draft on its engines, the
+    tokens of no draft; engines built without the draft are named as the failure."""
+    from k2trt.errors import K2Error
+    from k2trt.export_manifest import read_manifest
+    from k2trt.runtime.engines.builder import draft_engine_names
+    from k2trt.tools import doctor
+
+    out, draft = trt_export
+    weights = RandomWeights(TINY, seed=0)
+    names = engine_names(BLOCK_KINDS) + draft_engine_names(read_manifest(out))
+    be, _ = standin_backend(out, tmp_path / "engines", weights, SPEC, names)
+    assert doctor.draft_tokens_agree(be, weights, draft).startswith(f"{doctor.DRAFT_TOKENS} tokens equal")
+    be, _ = standin_backend(out, tmp_path / "plain", weights, SPEC, engine_names(BLOCK_KINDS))
+    be.manifest.pop("draft")
+    with pytest.raises(K2Error, match="not on the engines"):
+        doctor.draft_tokens_agree(be, weights, draft)

@@ -9,8 +9,9 @@ One line per step — pass, FAIL with the first error, or skip when a step it ne
      (runtime/tensorrt/plugin_cases.py); then one MoeGateUp with K2-size expert weights (5.6e9 elements each, over
      2^31): taken, or refused — said in one line — with the per-expert-range fallback checked instead;
   4. the tiny model's four block engines, built with their prefill and decode profiles — exported in float32
-     and W8A16, the convention ONNX Runtime computes in, so that
-  5. 8 greedy tokens from the engines equal the ONNX Runtime backend's.
+     and W8A16, the convention ONNX Runtime computes in, with a tiny EAGLE-3 draft's engines beside them — so that
+  5. 8 greedy tokens from the engines equal the ONNX Runtime backend's, and
+  6. 12 greedy tokens with the draft proposing on its engines equal those without it.
 Without TensorRT or a CUDA GPU it says which is missing in one line (exit 2); a failed step makes it exit 1.
 About a minute on a GPU machine, most of it compiling the AOT kernels and building the engines.
 """
@@ -226,9 +227,14 @@ def _block_engines(state: dict) -> str:
     from k2trt.runtime.tensorrt.environment import import_tensorrt
     from k2trt.runtime.tensorrt.profiles import ProfileSpec
 
+    from k2trt.draft import load_draft
+    from k2trt.tiny.draft import make_tiny_draft
+
     work = state["work"]
     cfg = K2Config.preset("tiny")
-    export(cfg, work / "onnx", "float32", WEIGHT_DEQUANT, log=lambda *a: None)
+    state["draft"] = make_tiny_draft(work / "draft", "llama")
+    export(cfg, work / "onnx", "float32", WEIGHT_DEQUANT, log=lambda *a: None,
+           draft=load_draft(state["draft"], cfg))
     lines = []
     logger = first_error_logger(import_tensorrt())
     spec = ProfileSpec(max_batch=2, max_seq=64, max_prefill=16, opt_batch=1, opt_prefill=8, opt_seq=32)
@@ -239,7 +245,7 @@ def _block_engines(state: dict) -> str:
         raise K2Error(f"{first_line(e)}: {logger.first}" if logger.first else first_line(e)) from None
     times = [line.split(": ", 1)[1] for line in lines if " MiB in " in line]
     return (f"embedding, dense_block, moe_block, head, and the attention kinds' prefill forms (pages read in place), "
-            f"with prefill and decode profiles ({'; '.join(times)})")
+            f"with prefill and decode profiles, and the draft's fc, layer and head ({'; '.join(times)})")
 
 
 def _tokens(state: dict) -> str:
@@ -263,6 +269,48 @@ def _tokens(state: dict) -> str:
     return f"{NEW_TOKENS} tokens equal to ONNX Runtime's {tokens['onnxruntime']}"
 
 
+DRAFT_TOKENS = 12
+
+
+def draft_tokens_agree(backend, weights, draft_dir: Path) -> str:
+    """Greedy tokens on `backend` with the EAGLE-3 draft at draft_dir proposing on the backend's own engines, against
+    the same backend without it; raises K2Error where they differ or nothing was proposed."""
+    from k2trt.runtime.generation.eagle import make_drafter
+    from k2trt.runtime.generation.executor import StageExecutor
+    from k2trt.runtime.generation.generator import Generator
+    from k2trt.runtime.generation.limits import Limits
+    from k2trt.runtime.generation.scheduler import Scheduler
+    from k2trt.runtime.generation.speculation import SpeculativeConfig
+
+    cfg = weights.config
+    (plain,), _ = Generator(backend, cfg).generate([PROMPT], DRAFT_TOKENS)
+    spec = SpeculativeConfig(method="eagle3", model=str(draft_dir), num_speculative_tokens=3)
+    drafter = make_drafter(spec, cfg, weights, backend)
+    if drafter.runner.name != "tensorrt":
+        raise K2Error(f"the draft runs on {drafter.runner.name}, not on the engines (were they built with it?)")
+    limits = Limits.resolve(cfg, backend.limits)
+    executor = StageExecutor(backend, cfg)
+    scheduler = Scheduler(executor, cfg, limits, speculation=spec, drafter=drafter)
+    (fast,), _ = Generator(backend, cfg, limits, executor, scheduler).generate([PROMPT], DRAFT_TOKENS)
+    if fast.token_ids != plain.token_ids:
+        raise K2Error(f"with the draft {fast.token_ids}, without {plain.token_ids}")
+    drafts = scheduler.spec_counters.num_drafts
+    if not drafts:
+        raise K2Error("the draft proposed nothing")
+    return f"{DRAFT_TOKENS} tokens equal without it, {drafts} verify steps"
+
+
+def _draft_tokens(state: dict) -> str:
+    from k2trt.config import K2Config
+    from k2trt.runtime.backends.tensorrt import TrtBackend
+    from k2trt.tiny.synthetic import RandomWeights
+
+    work = state["work"]
+    weights = RandomWeights(K2Config.preset("tiny"), seed=0)
+    return draft_tokens_agree(TrtBackend(work / "engines", weights, export_dir=work / "onnx"), weights,
+                              state["draft"])
+
+
 def steps() -> list[Step]:
     from k2trt.graphs.fp8 import PER_TOKEN_GROUP
     from k2trt.runtime.tensorrt.plugin_cases import node_cases
@@ -273,6 +321,7 @@ def steps() -> list[Step]:
     out.append(Step("K2-size expert weights", _large_inputs, ("plugin registration",)))
     out.append(Step("tiny model block engines", _block_engines, ("plugin registration",)))
     out.append(Step("8 tokens vs ONNX Runtime", _tokens, ("tiny model block engines",)))
+    out.append(Step("EAGLE-3 draft on its engines", _draft_tokens, ("tiny model block engines",)))
     return out
 
 
