@@ -18,7 +18,7 @@ from k2trt.export_manifest import read_manifest
 from k2trt.graphs import eagle, rope
 from k2trt.graphs.blocks import decompress_from
 from k2trt.graphs.mask import attention_mask
-from k2trt.runtime.generation.draft_runners import OrtDraftRunner, TorchDraftRunner
+from k2trt.runtime.backends.drafts import OrtDraftRunner, TorchDraftRunner
 from k2trt.tiny.draft import make_tiny_draft
 from k2trt.tiny.synthetic import RandomWeights
 
@@ -251,14 +251,13 @@ def test_the_drafter_on_tensorrt_engines_proposes_what_the_math_proposes(exporte
     """The draft's engines through TrtDraftRunner: within their profiles (a first advance has no past: one masked
     slot, since P starts at 1), the MLA layer's decompressed engine for a long chunk, and the proposals of the
     draft's math."""
-    from k2trt.runtime.generation.draft_runners import draft_runner
     from k2trt.runtime.generation.eagle import EagleDrafter
 
     draft, out = exported[form]
     emb = _embedding()
     calls = []
     be = _trt_backend(out, calls)
-    runner = draft_runner(draft, emb, TINY, be)
+    runner = be.draft_runner(draft, emb)
     assert runner.name == "tensorrt"
     on_engines, on_math = EagleDrafter(draft, emb, TINY, runner), EagleDrafter(draft, emb, TINY)
     g = torch.Generator().manual_seed(4)
@@ -276,14 +275,16 @@ def test_the_drafter_on_tensorrt_engines_proposes_what_the_math_proposes(exporte
 
 
 def test_engines_without_the_draft_run_it_on_its_math_and_a_stale_one_is_refused(exported):
-    from k2trt.runtime.backends.tensorrt_draft import TrtDraftRunner
-    from k2trt.runtime.generation.draft_runners import draft_runner, draft_weights
     from k2trt.errors import K2Error
+    from k2trt.runtime.backends.drafts import draft_weights
+    from k2trt.runtime.backends.tensorrt_draft import TrtDraftRunner
+    from k2trt.runtime.generation.eagle import EagleDrafter
 
     draft, out = exported["llama"]
     be = _trt_backend(out, [])
     be.manifest = {"engines": be.manifest["engines"]}  # built from an export without --draft
-    assert draft_runner(draft, _embedding(), TINY, be).name == "torch"
+    assert be.draft_runner(draft, _embedding()) is None
+    assert EagleDrafter(draft, _embedding(), TINY, None).runner.name == "torch"  # the drafter computes its math
     del be.engines["draft_head"]
     with pytest.raises(K2Error, match="no draft_head"):
         TrtDraftRunner(be, draft, draft_weights(draft, _embedding()), TINY)

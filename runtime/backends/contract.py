@@ -113,6 +113,11 @@ class Backend(Protocol):
                     residual: torch.Tensor) -> torch.Tensor:
         """pair_out [B·T·k, d] (every pair's expert output, back in pair order) -> hidden [B, T, d]."""
 
+    def draft_runner(self, draft, target_embedding: torch.Tensor | None):
+        """This backend's runner of an EAGLE-3 draft's pieces (runtime/backends/drafts.py) where its export or
+        engines hold the draft's graphs (`k2trt export --draft`), else None: the drafter computes on the math."""
+        ...
+
     def standalone_onnx(self, kind: str, layer: int | None) -> onnx.ModelProto | None:
         """The graph this backend runs for one block kind, with that layer's prepared weights stored in it, so
         that ONNX Runtime runs it without k2trt (polygraphy's own runners, `k2trt compare`); None where the
@@ -179,6 +184,9 @@ class BackendWrapper:
 
     def moe_combine(self, layer, pair_out, topk_weights, shared_out, residual):
         return self.inner.moe_combine(layer, pair_out, topk_weights, shared_out, residual)
+
+    def draft_runner(self, draft, target_embedding):
+        return self.inner.draft_runner(draft, target_embedding)
 
     def standalone_onnx(self, kind, layer):
         return self.inner.standalone_onnx(kind, layer)

@@ -164,6 +164,14 @@ class OrtBackend:
         """A layer's binding of one graph kind: the block itself (keyed by the layer, as always) or a MoE part."""
         return self._layer(layer if kind in BLOCK_KINDS else (kind, layer), kind, layer)
 
+    def draft_runner(self, draft, target_embedding):
+        """The draft's graphs of this export on ONNX Runtime, where `k2trt export --draft` put them (float32)."""
+        from k2trt.runtime.backends.drafts import OrtDraftRunner, holds_draft
+
+        if self.manifest["act_dtype"] != "float32" or not holds_draft(self.manifest, draft):
+            return None
+        return OrtDraftRunner(self.export_dir, self.manifest, draft, target_embedding)
+
     def standalone_onnx(self, kind: str, layer: int | None) -> onnx.ModelProto:
         import onnx
 

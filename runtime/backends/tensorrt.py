@@ -231,6 +231,15 @@ class TrtBackend:
     def session_seconds(self) -> None:
         return None  # enqueues are asynchronous: the time inside TensorRT is not separable on the host
 
+    def draft_runner(self, draft, target_embedding):
+        """The draft's engines, where `k2trt build` built them from an export with --draft."""
+        from k2trt.runtime.backends.drafts import draft_weights, holds_draft
+        from k2trt.runtime.backends.tensorrt_draft import TrtDraftRunner
+
+        if not holds_draft(self.manifest, draft):
+            return None
+        return TrtDraftRunner(self, draft, draft_weights(draft, target_embedding), self.cfg)
+
     def standalone_onnx(self, kind: str, layer: int | None) -> None:
         return None
 

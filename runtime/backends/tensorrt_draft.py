@@ -1,5 +1,5 @@
 """An EAGLE-3 draft on TensorRT: the draft's engines (built from `k2trt export --draft` graphs by `k2trt build`,
-beside the target's) behind the draft-runner interface of runtime/generation/draft_runners.py.
+beside the target's) behind the draft-runner interface of runtime/backends/drafts.py.
 
 Each engine runs through the target backend's machinery (its stream, alignment and profile checks); the draft's
 weights are uploaded once, and its outputs land in buffers of their own (the target's hidden-state buffers are left
@@ -29,7 +29,7 @@ class TrtDraftRunner:
 
     def __init__(self, backend, draft: Draft, weights: dict[str, torch.Tensor], target: K2Config):
         """backend: the target's TrtBackend, its engines holding the draft's; weights: the draft's float tensors by
-        normalized name, the embedding included (draft_runners.draft_weights)."""
+        normalized name, the embedding included (drafts.draft_weights)."""
         self.backend, self.cfg = backend, draft.config
         self.max_positions = backend.spec.max_prefill  # the profiles' T
         self.mla = self.cfg.layout == "mla"

@@ -36,5 +36,8 @@ class TorchBackend(ReferenceModel):
     def session_seconds(self) -> None:
         return None  # eager torch: the backend calls are the computation
 
+    def draft_runner(self, draft, target_embedding) -> None:
+        return None  # the reference computes a draft on its math, as the drafter does without a runner
+
     def standalone_onnx(self, kind: str, layer: int | None) -> None:
         return None

@@ -1,6 +1,6 @@
 """An EAGLE-3 draft proposing tokens for the scheduler's verify steps, on the process that schedules, its pieces
-computed by a draft runner (runtime/generation/draft_runners.py: the draft's exported graphs on ONNX Runtime, or its
-math in graphs/eagle.py on the torch reference), in float32.
+computed by a draft runner (runtime/backends/drafts.py: the draft's engines or exported graphs, as the target's
+backend gives them, or its math in graphs/eagle.py), in float32.
 
 How a draft follows its sequence (vLLM's and SGLang's scheme): at position p it reads the target's residual stream
 entering the aux layers (Executor.take_aux, through `fc`) and the embedding of the token that followed p, and its
@@ -32,7 +32,7 @@ from k2trt.draft import Draft
 from k2trt.errors import K2Error
 from k2trt.graphs import eagle, rope
 from k2trt.graphs.mask import attention_mask
-from k2trt.runtime.generation.draft_runners import TorchDraftRunner, draft_runner
+from k2trt.runtime.backends.drafts import TorchDraftRunner
 
 
 @dataclass
@@ -266,7 +266,7 @@ class EagleDrafter:
 def make_drafter(speculation, cfg, weights, backend=None) -> EagleDrafter | None:
     """The drafter a --speculative-config asks for (None unless eagle3): the draft loaded for the target config,
     the target's embedding shared where the draft has none, run on the target backend's exported graphs where
-    they hold the draft's (draft_runners.draft_runner)."""
+    they hold the draft's (Backend.draft_runner), else on its math."""
     if speculation is None or speculation.method != "eagle3":
         return None
     from k2trt.draft import load_draft
@@ -274,4 +274,5 @@ def make_drafter(speculation, cfg, weights, backend=None) -> EagleDrafter | None
     draft = load_draft(speculation.model, cfg)
     name = "model.embed_tokens.weight"
     embedding = None if not draft.shares_embedding else weights.globals([name])[name]
-    return EagleDrafter(draft, embedding, cfg, draft_runner(draft, embedding, cfg, backend))
+    runner = backend.draft_runner(draft, embedding) if backend is not None else None
+    return EagleDrafter(draft, embedding, cfg, runner)

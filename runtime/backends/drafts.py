@@ -1,15 +1,16 @@
 """What computes an EAGLE-3 draft's three pieces (fc, its decoder layer, head) for the drafter
-(runtime/generation/eagle.py): the draft's math itself on the torch reference, or its exported graphs
-(export/draft_graphs.py) on ONNX Runtime — one interface, as the target's backends have:
+(runtime/generation/eagle.py) — one interface, as the target's backends have: the draft's math itself
+(`TorchDraftRunner`), its exported graphs (export/draft_graphs.py) on ONNX Runtime (`OrtDraftRunner`), or its
+TensorRT engines (runtime/backends/tensorrt_draft.py). Each backend says which runner it gives a draft
+(`Backend.draft_runner`): its own graphs or engines where its export holds the draft's, else none, and the drafter
+computes on the math.
 
   fc(aux [B, T, 3 × target H])                                   -> hidden [B, T, H]
   layer(input_ids [B, T], hidden, cos, sin, mask, cache parts)   -> (out [B, T, H], the new positions' parts)
   head(out [B, T, H])                                            -> logits [B, T, draft vocab] float32
 
 Cache parts are the Llama layout's (k, v) [B, kv heads, P, head dim] or the MLA layout's (latent,) [B, P, lat];
-every tensor is float32 on the host, where the drafter keeps its caches. `draft_runner` picks the draft's engines
-where the target runs on TensorRT engines built with them (runtime/backends/tensorrt_draft.py), its graphs where the
-target runs on ONNX Runtime over an export that includes them (`k2trt export --draft`), else the math.
+every tensor is float32 on the host, where the drafter keeps its caches.
 """
 
 from __future__ import annotations
@@ -123,16 +124,3 @@ def holds_draft(manifest: dict | None, draft: Draft) -> bool:
     """Whether an export's (or engine directory's) manifest holds this draft's graphs (same config, by
     fingerprint)."""
     return bool(manifest) and (manifest.get("draft") or {}).get("fingerprint") == draft.config.fingerprint()
-
-
-def draft_runner(draft: Draft, target_embedding: torch.Tensor | None, target: K2Config, backend=None):
-    """The draft's engines on the TensorRT target's device, its graphs on ONNX Runtime where the target runs on an
-    export holding them (float32 graphs on the host), else its math on the torch reference."""
-    name = backend.name if backend is not None else None
-    if name == "trt" and holds_draft(backend.manifest, draft):
-        from k2trt.runtime.backends.tensorrt_draft import TrtDraftRunner
-
-        return TrtDraftRunner(backend, draft, draft_weights(draft, target_embedding), target)
-    if name == "ort" and backend.manifest["act_dtype"] == "float32" and holds_draft(backend.manifest, draft):
-        return OrtDraftRunner(backend.export_dir, backend.manifest, draft, target_embedding)
-    return TorchDraftRunner(draft, target_embedding, target)
