@@ -130,3 +130,25 @@ def test_doctors_draft_step_passes_on_the_standin_and_fails_without_the_draft_en
     be.manifest.pop("draft")
     with pytest.raises(K2Error, match="not on the engines"):
         doctor.draft_tokens_agree(be, weights, draft)
+
+
+def test_a_bfloat16_draft_keeps_its_caches_where_its_engines_compute(tmp_path):
+    """bfloat16 engines (what a GPU runs): the draft's caches and pending aux states stay in the engines' dtype
+    where they compute, the doctor's draft step passes through every binding."""
+    from k2trt.draft import load_draft
+    from k2trt.export.exporter import export
+    from k2trt.export_manifest import read_manifest
+    from k2trt.runtime.engines.builder import draft_engine_names
+    from k2trt.tiny.draft import make_tiny_draft
+    from k2trt.tools import doctor
+
+    draft = make_tiny_draft(tmp_path / "draft", "llama")
+    export(TINY, tmp_path / "onnx", "bfloat16", log=lambda *a: None, draft=load_draft(draft, TINY))
+    weights = RandomWeights(TINY, seed=0)
+    names = engine_names(BLOCK_KINDS) + draft_engine_names(read_manifest(tmp_path / "onnx"))
+    be, _ = standin_backend(tmp_path / "onnx", tmp_path / "engines", weights, SPEC, names)
+    assert be.act_dtype == torch.bfloat16
+    runner = be.draft_runner(load_draft(draft, TINY), weights.globals(["model.embed_tokens.weight"])[
+        "model.embed_tokens.weight"])
+    assert (runner.device, runner.cache_dtype) == (be.device, torch.bfloat16)
+    assert doctor.draft_tokens_agree(be, weights, draft).startswith(f"{doctor.DRAFT_TOKENS} tokens equal")

@@ -10,7 +10,8 @@ computes on the math.
   head(out [B, T, H])                                            -> logits [B, T, draft vocab] float32
 
 Cache parts are the Llama layout's (k, v) [B, kv heads, P, head dim] or the MLA layout's (latent,) [B, P, lat];
-every tensor is float32 on the host, where the drafter keeps its caches.
+every tensor is where the runner computes (`device`), the caches in its `cache_dtype` — the drafter keeps them
+there.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class TorchDraftRunner:
 
     name = "torch"
     max_positions = None  # new positions one call may take: any
+    device, cache_dtype = torch.device("cpu"), torch.float32  # where the drafter keeps its caches, and how
 
     def __init__(self, draft: Draft, target_embedding: torch.Tensor | None, target: K2Config | None):
         self.cfg = draft.config
@@ -73,6 +75,7 @@ class OrtDraftRunner:
 
     name = "onnxruntime"
     max_positions = None
+    device, cache_dtype = torch.device("cpu"), torch.float32  # the graphs are float32 on the host
 
     def __init__(self, export_dir: Path, manifest: dict, draft: Draft, target_embedding: torch.Tensor | None,
                  threads: int | None = None):

@@ -54,7 +54,7 @@ def upload_weights(entry: dict, source: dict, act_dtype: torch.dtype, device) ->
             raise K2Error(f"weight {name!r}: shape {list(t.shape)}, the engine expects {want['shape']}")
         if t.dtype != torch_dtype(want["dtype"]):
             raise K2Error(f"weight {name!r}: {t.dtype}, the engine expects {want['dtype']}")
-        out[name] = t.contiguous()
+        out[name] = aligned(t.contiguous())  # bound by address: a view into a mapped file may sit off-boundary
     return out
 
 

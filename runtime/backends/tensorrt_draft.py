@@ -3,8 +3,8 @@ beside the target's) behind the draft-runner interface of runtime/backends/draft
 
 Each engine runs through the target backend's machinery (its stream, alignment and profile checks); the draft's
 weights are uploaded once, and its outputs land in buffers of their own (the target's hidden-state buffers are left
-alone). The drafter keeps its caches on the host in float32, so each call's outputs come back there — a copy per
-call that a device-resident draft cache would remove. TensorRT's profiles start at one cache slot (P ≥ 1), so a
+alone). The drafter keeps its caches and pending aux states on the device in the engines' dtype, so only a call's
+token ids, rope tables and mask cross from the host, and only the drafted ids come back. TensorRT's profiles start at one cache slot (P ≥ 1), so a
 call with no past (a sequence's first advance) gets one slot its mask never lets a query see.
 """
 
@@ -32,6 +32,7 @@ class TrtDraftRunner:
         normalized name, the embedding included (drafts.draft_weights)."""
         self.backend, self.cfg = backend, draft.config
         self.max_positions = backend.spec.max_prefill  # the profiles' T
+        self.device, self.cache_dtype = backend.device, backend.act_dtype  # the drafter's caches stay on the GPU
         self.mla = self.cfg.layout == "mla"
         wanted = DRAFT_ENGINES + ((PREFILL,) if self.mla else ())
         missing = [k for k in wanted if k not in backend.engines]
@@ -51,7 +52,7 @@ class TrtDraftRunner:
         outs = {name: self.arena.get(f"{engine}/{name}", shape, be.engines[engine].dtypes[name])
                 for name, shape in output_shapes(entry, dims).items()}
         be._run(engine, dims["T"], inputs, self.w[kind], outs)
-        return [outs[o["name"]].float().cpu() for o in entry["outputs"]]
+        return [outs[o["name"]].clone() for o in entry["outputs"]]  # the arena's buffers are reused next call
 
     def _in(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         return self.backend._on_device(x, dtype or self.backend.act_dtype)
@@ -64,7 +65,7 @@ class TrtDraftRunner:
         b, t = input_ids.shape
         axis = 1 if self.mla else 2
         if parts[0].shape[axis] == 0:  # one slot no query sees: the profiles' P starts at 1
-            parts = [torch.zeros(*p.shape[:axis], 1, *p.shape[axis + 1:], dtype=p.dtype) for p in parts]
+            parts = [p.new_zeros(*p.shape[:axis], 1, *p.shape[axis + 1:]) for p in parts]
             mask = torch.cat([torch.full((b, t, 1), MASK_NEG, dtype=mask.dtype), mask], dim=-1)
         p = parts[0].shape[axis]
         names = ("latent_cache",) if self.mla else ("past_k", "past_v")

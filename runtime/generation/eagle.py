@@ -45,7 +45,7 @@ class _Sequence:
     last_out: torch.Tensor | None = None  # [1, 1, H]: fed back as the next step's hidden
     last_logits: torch.Tensor | None = None  # [1, 1, draft vocab]
     pending_tokens: list[int] = field(default_factory=list)
-    pending_aux: torch.Tensor | None = None  # [n, 3 × target H] float32
+    pending_aux: torch.Tensor | None = None  # [n, 3 × target H], on the runner's device in its dtype
 
     @property
     def length(self) -> int:
@@ -70,8 +70,9 @@ class _Sequence:
             self.pending_aux = self.pending_aux[:keep]
 
     def follow(self, tokens: list[int], aux: torch.Tensor) -> None:
+        """aux: already where the runner computes, in its dtype."""
         self.pending_tokens = self.pending_tokens + list(tokens)
-        aux = aux[:len(tokens)].float()
+        aux = aux[:len(tokens)]
         self.pending_aux = aux if self.pending_aux is None else torch.cat([self.pending_aux, aux])
         self.last_out = self.last_logits = None  # the output at the last position is not computed yet
 
@@ -90,6 +91,9 @@ class EagleDrafter:
         self.attn_cfg = cfg.attention_config(target) if self.mla else None
         self.axis = 1 if self.mla else 2
         self.runner = runner or TorchDraftRunner(draft, target_embedding, target)
+        # the draft's caches and pending aux states live where its runner computes, in its dtype (a TensorRT
+        # draft's on the GPU: no cache crosses to the host and back each call); the page store on the host
+        self.device, self.dtype = self.runner.device, self.runner.cache_dtype
         limit = self.runner.max_positions  # TensorRT's profiles bound a call's positions
         self.max_pending = min(MAX_PENDING, limit) if limit else MAX_PENDING
         self.target_ids = draft.target_ids
@@ -111,9 +115,10 @@ class EagleDrafter:
         return twin
 
     def _empty(self) -> _Sequence:
+        where = {"device": self.device, "dtype": self.dtype}
         if self.mla:
-            return _Sequence([torch.zeros(1, 0, self.attn_cfg.latent_dim)], self.axis)
-        kv = torch.zeros(1, self.cfg.num_key_value_heads, 0, self.cfg.head_dim)
+            return _Sequence([torch.zeros(1, 0, self.attn_cfg.latent_dim, **where)], self.axis)
+        kv = torch.zeros(1, self.cfg.num_key_value_heads, 0, self.cfg.head_dim, **where)
         return _Sequence([kv, kv.clone()], self.axis)
 
     def _layer(self, past: list[list[torch.Tensor]], tokens: list[list[int]], hidden: torch.Tensor,
@@ -127,7 +132,7 @@ class EagleDrafter:
         for j in range(len(past[0])):
             shape = list(past[0][j].shape)
             shape[0], shape[axis] = b, p
-            buf = torch.zeros(shape)
+            buf = torch.zeros(shape, device=self.device, dtype=self.dtype)
             for i, parts in enumerate(past):
                 buf[i].narrow(axis - 1, 0, parts[j].shape[axis]).copy_(parts[j][0])
             padded.append(buf)
@@ -165,7 +170,7 @@ class EagleDrafter:
                 continue
             if seq.pending_tokens and len(seq.pending_tokens) + len(next_tokens) > self.max_pending:
                 self.flush([key])
-            seq.follow(next_tokens, aux)
+            seq.follow(next_tokens, aux[:len(next_tokens)].to(self.device, self.dtype))
             if len(seq.pending_tokens) >= self.max_pending:
                 due.append(key)
         if due:
@@ -179,7 +184,7 @@ class EagleDrafter:
         if not run:
             return
         t = max(len(tokens) for _, tokens, _ in run)
-        aux = torch.zeros(len(run), t, run[0][2].shape[-1])
+        aux = torch.zeros(len(run), t, run[0][2].shape[-1], device=self.device, dtype=self.dtype)
         for i, (_, tokens, a) in enumerate(run):
             aux[i, :len(tokens)] = a
         hidden = self.runner.fc(aux)
@@ -212,7 +217,7 @@ class EagleDrafter:
         logits = torch.cat([seq.last_logits for seq in seqs])
         steps = max(k for _, _, k in live)
         for step in range(steps):
-            drafted = [int(self.target_ids[int(row[-1].argmax())]) for row in logits]
+            drafted = self.target_ids[logits[:, -1].argmax(-1).cpu()].tolist()  # one sync for the batch
             for (i, _, k), tok in zip(live, drafted):
                 if step < k:
                     result[i].append(tok)
@@ -245,7 +250,7 @@ class EagleDrafter:
                 break
             store_key = (pk, tokens[end])
             if store_key not in self.pages:
-                self.pages[store_key] = [p.narrow(self.axis, end - page_tokens, page_tokens).clone()
+                self.pages[store_key] = [p.narrow(self.axis, end - page_tokens, page_tokens).to("cpu", copy=True)
                                          for p in seq.parts]
         while len(self.pages) > PAGE_STORE:
             self.pages.pop(next(iter(self.pages)))
@@ -259,7 +264,8 @@ class EagleDrafter:
             self.sequences.pop(key, None)
             return
         seq = self._empty()
-        seq.parts = [torch.cat([s[j] for s in stored], dim=self.axis) for j in range(len(seq.parts))]
+        seq.parts = [torch.cat([s[j] for s in stored], dim=self.axis).to(self.device)
+                     for j in range(len(seq.parts))]
         self.sequences[key] = seq
 
 
