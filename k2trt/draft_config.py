@@ -51,6 +51,7 @@ class DraftConfig:
     v_head_dim: int = 0
     rope_scaling: dict | None = None  # mla: as config.json gives it (DeepSeek's YaRN), None: plain rotary
     max_position_embeddings: int = 0
+    speculative_tokens: int | None = None  # the k a speculators draft was made for (vLLM's default for it)
 
     def attention_config(self, target: K2Config) -> K2Config:
         """The MLA layout's attention as a K2Config of its own (bf16, one dense layer, the draft's widths and
@@ -66,8 +67,10 @@ class DraftConfig:
         return K2Config.from_hf_dict(raw, "the draft's attention (config.json)")
 
     def fingerprint(self) -> str:
-        """A short hash of every field: a draft's exported graphs record it (they depend on nothing else of it)."""
-        blob = json.dumps(dataclasses.asdict(self), sort_keys=True, default=list).encode()
+        """A short hash of every field but the suggested k: a draft's exported graphs record it (they depend on
+        nothing else of it)."""
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k != "speculative_tokens"}
+        blob = json.dumps(fields, sort_keys=True, default=list).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -134,6 +137,23 @@ def _aux_ids(raw_ids, where: str, target: K2Config) -> tuple[tuple[int, ...], tu
     return ids, written
 
 
+MAX_SPECULATIVE_TOKENS = 16  # the most draft tokens a step proposes (--speculative-config's k)
+
+
+def _speculative_tokens(config, where: str) -> int | None:
+    """The k a speculators draft names (speculators_config.proposal_methods[0].speculative_tokens), or None."""
+    methods = config.get("proposal_methods") if isinstance(config, dict) else None
+    if not isinstance(methods, list) or not methods or not isinstance(methods[0], dict):
+        return None
+    k = methods[0].get("speculative_tokens")
+    if k is None:
+        return None
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise DraftError(f"{where}: speculators_config.proposal_methods[0].speculative_tokens must be 1.."
+                         f"{MAX_SPECULATIVE_TOKENS}, got {k!r}")
+    return k
+
+
 def parse_draft_config(raw: dict, where: str, target: K2Config) -> DraftConfig:
     """A draft's config.json (any of the three forms) for `target`; DraftError names the field at fault."""
     if raw.get("speculators_model_type") is not None:
@@ -146,6 +166,7 @@ def parse_draft_config(raw: dict, where: str, target: K2Config) -> DraftConfig:
         source, layout, body = "speculators", "llama", {**layer, **{k: v for k, v in raw.items()
                                                                  if k != "transformer_layer_config"}}
         aux = raw.get("eagle_aux_hidden_state_layer_ids")
+        k = _speculative_tokens(raw.get("speculators_config"), where)
     else:
         archs = raw.get("architectures")
         arch = archs[0] if isinstance(archs, list) and archs else None
@@ -155,6 +176,7 @@ def parse_draft_config(raw: dict, where: str, target: K2Config) -> DraftConfig:
         source, layout, body = "eagle3", ARCHITECTURES[arch], raw
         eagle = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
         aux = raw.get("eagle_aux_hidden_state_layer_ids", eagle.get("eagle_aux_hidden_state_layer_ids"))
+        k = None
     if body.get("quantization_config") is not None:
         raise DraftError(f"{where}: quantized drafts are not supported (quantization_config is set); use a bf16 "
                          "draft")
@@ -167,7 +189,7 @@ def parse_draft_config(raw: dict, where: str, target: K2Config) -> DraftConfig:
         target_hidden_size=_int(body, "target_hidden_size", where, hidden),
         intermediate_size=_int(body, "intermediate_size", where), num_attention_heads=heads,
         vocab_size=vocab, draft_vocab_size=_int(body, "draft_vocab_size", where, vocab),
-        aux_layer_ids=ids, aux_ids_as_written=written,
+        aux_layer_ids=ids, aux_ids_as_written=written, speculative_tokens=k,
         rms_norm_eps=_float(body, "rms_norm_eps", where, 1e-6), rope_theta=_float(body, "rope_theta", where, 1e4),
         norm_before_residual=bool(body.get("norm_before_residual", False)))
     if layout == "llama":

@@ -153,3 +153,35 @@ def test_make_tiny_writes_each_draft(tmp_path, capsys, form):
     assert main(["make-tiny", str(tmp_path / form), "--draft", form]) == 0
     assert f"tiny EAGLE-3 draft ({form})" in capsys.readouterr().out
     assert load_draft(tmp_path / form, TINY).config == tiny_draft_config(TINY, form)[0]
+
+
+def test_a_speculators_draft_gives_its_own_k_where_none_is_asked(drafts, tmp_path):
+    """vLLM's rule: a speculators draft's speculative_tokens is the k when --speculative-config names none; one
+    that names it keeps its own; a draft's k outside 1..16 is one line."""
+    from k2trt.runtime.backends.torch_reference import TorchBackend
+    from k2trt.runtime.generation.eagle import make_drafter
+    from k2trt.runtime.generation.executor import StageExecutor
+    from k2trt.runtime.generation.limits import Limits
+    from k2trt.runtime.generation.scheduler import Scheduler
+    from k2trt.runtime.generation.speculation import SpeculativeConfig
+    from k2trt.tiny.synthetic import RandomWeights
+
+    five = tmp_path / "five"
+    shutil.copytree(drafts["speculators"], five)
+    _config(five, lambda c: c["speculators_config"]["proposal_methods"][0].update(speculative_tokens=5))
+    assert load_draft(drafts["speculators"], TINY).config.speculative_tokens == 3
+    assert load_draft(drafts["llama"], TINY).config.speculative_tokens is None
+    assert load_draft(five, TINY).config.fingerprint() == load_draft(drafts["speculators"], TINY).config.fingerprint()
+    weights = RandomWeights(TINY)
+    backend = TorchBackend(weights, "float32", 0)
+    limits = Limits(max_context=64, max_batch=1, prefill_chunk=8)
+    for text, k in ((json.dumps({"method": "eagle3", "model": str(five)}), 5),
+                    (json.dumps({"method": "eagle3", "model": str(five), "num_speculative_tokens": 2}), 2),
+                    (json.dumps({"method": "eagle3", "model": str(drafts["llama"])}), 3)):
+        spec = SpeculativeConfig.parse(text)
+        sched = Scheduler(StageExecutor(backend, TINY), TINY, limits, speculation=spec,
+                          drafter=make_drafter(spec, TINY, weights, backend))
+        assert sched.speculation.num_speculative_tokens == k, text
+    _config(five, lambda c: c["speculators_config"]["proposal_methods"][0].update(speculative_tokens=40))
+    with pytest.raises(DraftError, match=r"speculative_tokens must be 1..16, got 40"):
+        load_draft(five, TINY)

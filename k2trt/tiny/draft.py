@@ -56,7 +56,7 @@ def tiny_draft_config(target: K2Config, form: str) -> tuple[DraftConfig, dict]:
         raise K2Error(f"make-tiny --draft: {form!r} is not one of {', '.join(DRAFT_FORMATS)}")
     written = tuple(i - 1 for i in inputs_to)  # written as layer outputs (first id 1): loading moves them up by one
     cfg = DraftConfig(layout="llama", source_format="speculators", draft_vocab_size=half, aux_layer_ids=inputs_to,
-                      aux_ids_as_written=written, norm_before_residual=True, **llama, **common)
+                      aux_ids_as_written=written, norm_before_residual=True, speculative_tokens=3, **llama, **common)
     layer = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common, **llama}
     raw = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "transformer_layer_config": layer,
            "draft_vocab_size": half, "norm_before_residual": True, "target_hidden_size": h,

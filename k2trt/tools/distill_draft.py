@@ -30,6 +30,8 @@ from k2trt.errors import K2Error
 class _Recorder:
     """A drafter that proposes nothing and keeps what EagleDrafter.advance would see."""
 
+    suggested_k = None
+
     def __init__(self, aux_layers):
         self.aux_layers = aux_layers
         self.seen: dict[int, list] = {}

@@ -4,8 +4,9 @@ beside the target's) behind the draft-runner interface of runtime/backends/draft
 Each engine runs through the target backend's machinery (its stream, alignment and profile checks); the draft's
 weights are uploaded once, and its outputs land in buffers of their own (the target's hidden-state buffers are left
 alone). The drafter keeps its caches and pending aux states on the device in the engines' dtype, so only a call's
-token ids, rope tables and mask cross from the host, and only the drafted ids come back. TensorRT's profiles start at one cache slot (P ≥ 1), so a
-call with no past (a sequence's first advance) gets one slot its mask never lets a query see.
+token ids, rope tables and mask cross from the host, and only the drafted ids come back. TensorRT's profiles
+start at one cache slot (P ≥ 1), so a call with no past (a sequence's first advance) gets one slot its mask never
+lets a query see.
 """
 
 from __future__ import annotations

@@ -106,6 +106,11 @@ class EagleDrafter:
     def aux_layers(self) -> tuple[int, ...]:
         return self.cfg.aux_layer_ids
 
+    @property
+    def suggested_k(self) -> int | None:
+        """The draft's own k (a speculators draft names it), used where --speculative-config gives none."""
+        return self.cfg.speculative_tokens
+
     def sibling(self) -> "EagleDrafter":
         """A drafter of the same draft with no sequences of its own, sharing this one's runner (the weights once):
         one per micro-batch lane."""

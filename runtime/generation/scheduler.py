@@ -203,6 +203,8 @@ class Scheduler(BatchScheduler):
             if not executor.captures_aux:
                 raise K2Error("--speculative-config eagle3: this executor does not give the target's aux states")
             executor.aux_layers = drafter.aux_layers
+            if not speculation.num_speculative_tokens_given and drafter.suggested_k:
+                speculation = self.speculation = replace(speculation, num_speculative_tokens=drafter.suggested_k)
         self.spec_counters = SpecCounters()
         self.spec_policy = SpeedPolicy()
         self.draft_length = DraftLength()

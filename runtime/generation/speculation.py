@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from k2trt.errors import K2Error
+from k2trt.draft_config import MAX_SPECULATIVE_TOKENS  # the bound on k: one definition, the drafts read it too
 
 METHODS = ("ngram", "eagle3")
-MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # the longest suffix looked up
     prompt_lookup_min: int = 1  # the shortest
     model: str | None = None  # eagle3: the draft checkpoint, a directory or owner/name (k2trt/draft.py)
+    # whether num_speculative_tokens was given: if not, a draft that names its own k gets it (vLLM's rule)
+    num_speculative_tokens_given: bool = True
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -67,7 +69,7 @@ class SpeculativeConfig:
             if not isinstance(value, known[key]) or isinstance(value, bool):
                 kind = "a string" if known[key] is str else "an integer"
                 raise K2Error(f"--speculative-config: {key} must be {kind}")
-        return cls(**d)
+        return cls(**d, num_speculative_tokens_given="num_speculative_tokens" in d)
 
     def propose(self, tokens: list[int], most: int) -> list[int]:
         """At most `most` (<= k) draft tokens for a sequence whose tokens so far are `tokens`."""
