@@ -72,13 +72,13 @@ class Runner:
         choices = {RUNTIME: BackendChoice("ort", args.onnx)}
         if REFERENCE in wanted:
             choices[REFERENCE] = BackendChoice("torch")
+        self.speculation = args.speculative_config
         for name, choice in choices.items():
             backend = open_backend(choice, ckpt)
             backend.prepare()
-            self.gens[name] = Generator(backend, self.cfg)
-        self.speculation = args.speculative_config
-        if self.speculation is not None:  # the runtime speculates; the baselines decode plainly
-            self.gens[RUNTIME] = speculating_generator(self.gens[RUNTIME].backend, self.cfg, self.speculation)
+            speculating = name == RUNTIME and self.speculation is not None  # the baselines decode plainly
+            self.gens[name] = (speculating_generator(backend, self.cfg, self.speculation) if speculating
+                               else Generator(backend, self.cfg))
         if TRANSFORMERS in wanted:
             from k2trt.tools import hf_baseline
 
@@ -134,7 +134,7 @@ class Runner:
         return row
 
 
-def speculating_generator(backend, cfg, speculation, limits=None, executor=None):
+def speculating_generator(backend, cfg, speculation):
     """A Generator whose scheduler speculates as --speculative-config says (an EAGLE-3 draft loaded for it)."""
     from k2trt.runtime.generation.eagle import make_drafter
     from k2trt.runtime.generation.executor import StageExecutor
@@ -142,8 +142,8 @@ def speculating_generator(backend, cfg, speculation, limits=None, executor=None)
     from k2trt.runtime.generation.limits import Limits
     from k2trt.runtime.generation.scheduler import Scheduler
 
-    limits = limits or Limits.resolve(cfg, backend.limits)
-    executor = executor or StageExecutor(backend, cfg)
+    limits = Limits.resolve(cfg, backend.limits)
+    executor = StageExecutor(backend, cfg)
     drafter = make_drafter(speculation, cfg, backend.weights, backend)
     return Generator(backend, cfg, limits, executor, Scheduler(executor, cfg, limits, speculation=speculation,
                                                                drafter=drafter))

@@ -141,18 +141,7 @@ class MicroBatchScheduler(BatchScheduler):
     @property
     def spec_counters(self) -> SpecCounters:
         """The lanes' counters added up."""
-        total = SpecCounters()
-        for s in self.lanes:
-            c = s.spec_counters
-            total.num_drafts += c.num_drafts
-            total.num_draft_tokens += c.num_draft_tokens
-            total.num_accepted_tokens += c.num_accepted_tokens
-            per = total.accepted_per_pos or []
-            for i, n in enumerate(c.accepted_per_pos or []):
-                per += [0] * (i + 1 - len(per))
-                per[i] += n
-            total.accepted_per_pos = per or None
-        return total
+        return sum((s.spec_counters for s in self.lanes), SpecCounters())
 
     def running(self) -> int:
         return sum(s.running() for s in self.lanes)

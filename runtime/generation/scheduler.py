@@ -466,9 +466,8 @@ class Scheduler(BatchScheduler):
         rooms = [min(r.max_new_tokens - len(r.token_ids) - 1, self.limits.max_context - r.cached - 1, k)
                  if r.backoff.ready() else 0 for r in reqs]
         if self.drafter is not None:
-            asks = [(r.id, min(room, spec.num_speculative_tokens)) for r, room in zip(reqs, rooms)]
-            proposed = self.drafter.propose_many([a for a in asks if a[1] > 0])
-            by_id = {key: d for (key, _), d in zip([a for a in asks if a[1] > 0], proposed)}
+            asks = [(r.id, room) for r, room in zip(reqs, rooms) if room > 0]
+            by_id = dict(zip([key for key, _ in asks], self.drafter.propose_many(asks)))
             proposals = [by_id.get(r.id, []) for r in reqs]
         else:
             proposals = [spec.propose(r.prompt + r.token_ids, room) if room > 0 else []

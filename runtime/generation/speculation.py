@@ -17,6 +17,7 @@ without speculation draws, seeded ones included (executor.StageExecutor.sample).
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 
@@ -138,6 +139,14 @@ class SpecCounters:
         for i in range(accepted):
             per[i] += 1
         self.accepted_per_pos = per
+
+    def __add__(self, other: "SpecCounters") -> "SpecCounters":
+        """Two schedulers' counters together (micro-batch lanes): the per-position counts added position by
+        position."""
+        mine, theirs = self.accepted_per_pos or [], other.accepted_per_pos or []
+        per = [a + b for a, b in itertools.zip_longest(mine, theirs, fillvalue=0)]
+        return SpecCounters(self.num_drafts + other.num_drafts, self.num_draft_tokens + other.num_draft_tokens,
+                            self.num_accepted_tokens + other.num_accepted_tokens, per or None)
 
     @property
     def mean_accepted_length(self) -> float | None:
