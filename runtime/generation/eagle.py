@@ -70,9 +70,8 @@ class _Sequence:
             self.pending_aux = self.pending_aux[:keep]
 
     def follow(self, tokens: list[int], aux: torch.Tensor) -> None:
-        """aux: already where the runner computes, in its dtype."""
+        """aux [len(tokens), 3 × target H]: already where the runner computes, in its dtype."""
         self.pending_tokens = self.pending_tokens + list(tokens)
-        aux = aux[:len(tokens)]
         self.pending_aux = aux if self.pending_aux is None else torch.cat([self.pending_aux, aux])
         self.last_out = self.last_logits = None  # the output at the last position is not computed yet
 
@@ -126,24 +125,31 @@ class EagleDrafter:
         kv = torch.zeros(1, self.cfg.num_key_value_heads, 0, self.cfg.head_dim, **where)
         return _Sequence([kv, kv.clone()], self.axis)
 
-    def _layer(self, past: list[list[torch.Tensor]], tokens: list[list[int]], hidden: torch.Tensor,
-               starts: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The layer for B sequences at once: sequence b's cache parts past[b] (its positions 0 .. L_b − 1), its
-        new tokens at positions starts[b] + j, hidden [B, T, H] (rows past a sequence's tokens are padding, their
-        outputs meaningless). -> (out [B, T, H], the new positions' cache parts, batched)."""
-        b, t, axis = len(tokens), hidden.shape[1], self.axis
-        p = max(parts[0].shape[axis] for parts in past)
+    def _padded(self, past: list[list[torch.Tensor]], extra: int = 0) -> list[torch.Tensor]:
+        """Sequences' cache parts (past[b]: its positions 0 .. L_b − 1) as one batch, each part padded to the
+        longest L plus `extra` slots — room for positions written later (propose_many's drafted ones)."""
+        axis = self.axis
+        p = max(parts[0].shape[axis] for parts in past) + extra
         padded = []
         for j in range(len(past[0])):
             shape = list(past[0][j].shape)
-            shape[0], shape[axis] = b, p
+            shape[0], shape[axis] = len(past), p
             buf = torch.zeros(shape, device=self.device, dtype=self.dtype)
             for i, parts in enumerate(past):
                 buf[i].narrow(axis - 1, 0, parts[j].shape[axis]).copy_(parts[j][0])
             padded.append(buf)
+        return padded
+
+    def _layer(self, padded: list[torch.Tensor], lengths: list[int], tokens: list[list[int]], hidden: torch.Tensor,
+               starts: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The layer for B sequences at once: their caches `padded` (_padded; sequence b's first lengths[b] slots
+        hold its positions, the rest are masked), its new tokens at positions starts[b] + j, hidden [B, T, H]
+        (rows past a sequence's tokens are padding, their outputs meaningless). -> (out [B, T, H], the new
+        positions' cache parts, batched)."""
+        b, t, p = len(tokens), hidden.shape[1], padded[0].shape[self.axis]
         key_valid = torch.zeros(b, p + t, dtype=torch.bool)
-        for i, parts in enumerate(past):
-            key_valid[i, :parts[0].shape[axis]] = True
+        for i, n in enumerate(lengths):
+            key_valid[i, :n] = True
             key_valid[i, p:p + len(tokens[i])] = True
         query_pos = torch.tensor(starts)[:, None] + torch.arange(t)[None]
         key_pos = torch.cat([torch.arange(p).expand(b, p), query_pos], dim=1)
@@ -151,6 +157,12 @@ class EagleDrafter:
         ids = torch.tensor([row + [0] * (t - len(row)) for row in tokens])
         cos, sin = rope.rope_tables(self.attn_cfg, query_pos) if self.mla else eagle.rope_tables(self.cfg, query_pos)
         return self.runner.layer(ids, hidden, cos.float(), sin.float(), mask, padded)
+
+    def _write(self, padded: list[torch.Tensor], lengths: list[int], news: list[torch.Tensor]) -> None:
+        """One new position of each sequence (news: the layer's, T = 1) into its next free slot of `padded`."""
+        for part, new in zip(padded, news):
+            for b, n in enumerate(lengths):
+                part[b].narrow(self.axis - 1, n, 1).copy_(new[b])
 
     def advance(self, key, start: int, next_tokens: list[int], aux: torch.Tensor) -> None:
         """The target computed positions start .. start + n − 1 of sequence `key` and committed them; next_tokens[i]
@@ -193,8 +205,9 @@ class EagleDrafter:
         for i, (_, tokens, a) in enumerate(run):
             aux[i, :len(tokens)] = a
         hidden = self.runner.fc(aux)
-        out, news = self._layer([s.parts for s, _, _ in run], [tok for _, tok, _ in run], hidden,
-                                [s.length for s, _, _ in run])
+        lengths = [s.length for s, _, _ in run]
+        out, news = self._layer(self._padded([s.parts for s, _, _ in run]), lengths, [tok for _, tok, _ in run],
+                                hidden, lengths)
         last = torch.stack([out[i, len(tokens) - 1] for i, (_, tokens, _) in enumerate(run)])[:, None]  # [B, 1, H]
         logits = self.runner.head(last)
         for i, (seq, tokens, _) in enumerate(run):
@@ -217,10 +230,13 @@ class EagleDrafter:
         if not live:
             return result
         seqs = [seq for _, seq, _ in live]
-        past = [list(seq.parts) for seq in seqs]
         out = torch.cat([seq.last_out for seq in seqs])  # [B, 1, H]
         logits = torch.cat([seq.last_logits for seq in seqs])
         steps = max(k for _, _, k in live)
+        # the committed caches padded once, with room for the drafted positions: each draft step writes its one
+        # position in place instead of copying every sequence's cache again
+        padded = self._padded([seq.parts for seq in seqs], steps - 1)
+        lengths = [seq.length for seq in seqs]
         for step in range(steps):
             drafted = self.target_ids[logits[:, -1].argmax(-1).cpu()].tolist()  # one sync for the batch
             for (i, _, k), tok in zip(live, drafted):
@@ -228,10 +244,9 @@ class EagleDrafter:
                     result[i].append(tok)
             if step + 1 == steps:
                 break
-            starts = [seq.length + step for seq in seqs]
-            out, news = self._layer(past, [[tok] for tok in drafted], out, starts)
-            past = [[torch.cat([part, new[b:b + 1]], dim=self.axis) for part, new in zip(parts, news)]
-                    for b, parts in enumerate(past)]
+            out, news = self._layer(padded, lengths, [[tok] for tok in drafted], out, lengths)
+            self._write(padded, lengths, news)
+            lengths = [n + 1 for n in lengths]
             logits = self.runner.head(out)
         return result
 
