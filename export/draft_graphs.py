@@ -22,6 +22,7 @@ from k2trt.draft import Draft
 from k2trt.draft_config import DraftConfig
 from k2trt.export.block_graphs import IR_VERSION, OPSET
 from k2trt.export.onnx_ops import OnnxOps
+from k2trt.export.trt_form import PREFILL_SUFFIX
 from k2trt.graphs import eagle
 
 DRAFT_KINDS = ("draft_fc", "draft_layer", "draft_head")
@@ -31,6 +32,13 @@ EMBEDDING = "embed_tokens.weight"
 def draft_forms(cfg: DraftConfig, kind: str) -> tuple[str, ...]:
     """TensorRT's forms of a draft kind: the MLA layer's two attention forms, else one."""
     return ("decode", "prefill") if kind == "draft_layer" and cfg.layout == "mla" else ("decode",)
+
+
+def draft_trt_graphs(cfg: DraftConfig) -> list[tuple[str, str, str]]:
+    """(kind, form, name) of each TensorRT graph of a draft: the name as its file and engine go by, the prefill
+    form's suffixed as a block kind's is (export/trt_form.py)."""
+    return [(kind, form, kind + (PREFILL_SUFFIX if form == "prefill" else ""))
+            for kind in DRAFT_KINDS for form in draft_forms(cfg, kind)]
 
 
 def draft_weight_names(draft: Draft, kind: str) -> list[str]:

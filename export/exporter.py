@@ -13,10 +13,10 @@ from k2trt.export import manifest_writer as M
 from k2trt.config import BLOCK_KINDS, MOE_PART_KINDS, check_expert_parallel, expert_range
 from k2trt.export.block_graphs import activation_io, build_block_graph, paged_io
 from k2trt.export.checks import check_onnx, check_trt_operators
-from k2trt.export.draft_graphs import DRAFT_KINDS, build_draft_graph, draft_forms, draft_io
+from k2trt.export.draft_graphs import DRAFT_KINDS, build_draft_graph, draft_io, draft_trt_graphs
 from k2trt.export.lower_ort import lower_for_ort
 from k2trt.export.onnx_ops import weight_prep
-from k2trt.export.trt_form import PREFILL_SUFFIX, attends, engine_name, engine_names, forms, tensorrt_graph
+from k2trt.export.trt_form import attends, engine_name, engine_names, forms, tensorrt_graph
 from k2trt.graphs.fp8 import PER_TOKEN_GROUP, WEIGHT_DEQUANT
 
 
@@ -50,27 +50,26 @@ def export_kind(cfg: K2Config, out: Path, kind: str, act_dtype: str, activation_
 
 def draft_graph_keys(draft_cfg) -> list[str]:
     """The manifest keys of a draft's graphs: each TensorRT form (export/draft_graphs.py), then ONNX Runtime's."""
-    trt = [f"trt/{kind}" + (PREFILL_SUFFIX if form == "prefill" else "")
-           for kind in DRAFT_KINDS for form in draft_forms(draft_cfg, kind)]
-    return trt + [f"ort/{kind}" for kind in DRAFT_KINDS]
+    return [f"trt/{name}" for _, _, name in draft_trt_graphs(draft_cfg)] + [f"ort/{kind}" for kind in DRAFT_KINDS]
 
 
 def export_draft(draft, cfg: K2Config, out: Path, act_dtype: str) -> dict[str, dict]:
     """An EAGLE-3 draft's graphs, both forms, checked and written; -> {manifest key: graph entry}. They compute
     with the draft's bf16 weights as given (no FP8): the W8A16 convention's mode number."""
     entries = {}
+    acts = {kind: {name for name, _, _ in draft_io(draft.config, cfg, kind, act_dtype)[0]} for kind in DRAFT_KINDS}
+    for kind, form, name in draft_trt_graphs(draft.config):
+        key = f"trt/{name}"
+        model = build_draft_graph(draft, cfg, kind, act_dtype, branches=False, large=form == "prefill")
+        check_onnx(model, key)
+        check_trt_operators(model, key)
+        entries[key] = M.write_graph(out, key, kind, "tensorrt", model, weight_prep(model), WEIGHT_DEQUANT,
+                                     acts[kind])
     for kind in DRAFT_KINDS:
-        acts = {name for name, _, _ in draft_io(draft.config, cfg, kind, act_dtype)[0]}
-        for form in draft_forms(draft.config, kind):
-            key = f"trt/{kind}" + (PREFILL_SUFFIX if form == "prefill" else "")
-            model = build_draft_graph(draft, cfg, kind, act_dtype, branches=False, large=form == "prefill")
-            check_onnx(model, key)
-            check_trt_operators(model, key)
-            entries[key] = M.write_graph(out, key, kind, "tensorrt", model, weight_prep(model), WEIGHT_DEQUANT, acts)
         model = lower_for_ort(build_draft_graph(draft, cfg, kind, act_dtype, branches=True), act_dtype)
         check_onnx(model, f"ort/{kind}")
         entries[f"ort/{kind}"] = M.write_graph(out, f"ort/{kind}", kind, "onnxruntime", model, weight_prep(model),
-                                               WEIGHT_DEQUANT, acts)
+                                               WEIGHT_DEQUANT, acts[kind])
     return entries
 
 

@@ -16,13 +16,14 @@ import torch
 from k2trt.config import K2Config
 from k2trt.draft import Draft
 from k2trt.errors import K2Error
+from k2trt.export.trt_form import PREFILL_SUFFIX
 from k2trt.graphs.blocks import decompress_from
 from k2trt.graphs.mask import MASK_NEG
 from k2trt.runtime.backends.tensorrt import OutputArena, output_shapes, upload_weights
 from k2trt.runtime.tensorrt.profiles import check_call_shape
 
 DRAFT_ENGINES = ("draft_fc", "draft_layer", "draft_head")
-PREFILL = "draft_layer.prefill"  # the MLA layout's decompressed form (export/draft_graphs.py)
+PREFILL = "draft_layer" + PREFILL_SUFFIX  # the MLA layout's decompressed form (export/draft_graphs.py)
 
 
 class TrtDraftRunner:
